@@ -1,0 +1,280 @@
+"""Typed, frozen configuration: dataclass defaults, YAML presets and dotted overrides.
+
+This module must not import jax: the CLI reads the config first and only then sets
+XLA_FLAGS (host-device emulation) and starts jax.
+
+The dataclass defaults below are the single source of truth for default values; YAML
+presets in configs/ hold only what differs from them (and may name a preset to extend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from pathlib import Path
+from typing import Literal, Union
+
+import yaml
+
+from jaxpar.errors import UserError
+
+
+class ConfigError(UserError):
+    """A config key, value or combination that cannot work."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the decoder-only transformer."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 512
+    seq_len: int = 128
+    positions: Literal["rope", "learned"] = "rope"
+    tie_embeddings: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes; -1 on one axis means "all remaining devices"."""
+
+    data: int = -1
+    tensor: int = 1
+    expert: int = 1
+    stage: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimization: steps, batch, schedule and numerics."""
+
+    steps: int = 200
+    batch_size: int = 32
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup: int = 20
+    precision: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 0
+    log_every: int = 10
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    eval_batches: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from: 'builtin', a .txt file or folder of them, or a uint16 .bin file."""
+
+    source: str = "builtin"
+    val_fraction: float = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Output folder and device selection ('auto', or a device count)."""
+
+    dir: str = "runs/default"
+    devices: Union[int, str] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run configuration."""
+
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    run: RunConfig = RunConfig()
+
+    def replace(self, **sections) -> "Config":
+        """Return a copy with whole sections or dotted keys ('train.steps') replaced."""
+        return apply_overrides(self, sections)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict, for JSON summaries and checkpoints."""
+        return dataclasses.asdict(self)
+
+
+MESH_AXES = ("data", "tensor", "expert", "stage")
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _fields(cls) -> dict[str, type]:
+    """Field name -> resolved type annotation, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def all_keys() -> list[str]:
+    """Every dotted key the config accepts, e.g. 'model.d_model'."""
+    return [f"{s}.{k}" for s, typ in _fields(Config).items() for k in _fields(typ)]
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; known sections are {', '.join(_fields(Config))}."
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _coerce(key: str, value, typ):
+    """Check (and for command-line strings, convert) a value against a field type."""
+    origin = typing.get_origin(typ)
+    if origin is Literal:
+        choices = typing.get_args(typ)
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, got {value!r}.")
+        return value
+    if origin is Union:
+        for option in typing.get_args(typ):
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                pass
+        names = " or ".join(t.__name__ for t in typing.get_args(typ))
+        raise ConfigError(f"{key} expects {names}, got {value!r}.")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
+    raise ConfigError(f"{key} expects {kind}, got {value!r}.")
+
+
+def _parse_scalar(text: str):
+    """Turn a command-line value into a Python scalar the way YAML would."""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(cfg: Config, overrides: dict) -> Config:
+    """Apply {'section.key': value} (or {'section': {key: value}}) overrides, with type checks."""
+    flat: dict[str, object] = {}
+    for key, value in overrides.items():
+        if "." not in key and isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    sections = _fields(Config)
+    changed: dict[str, dict] = {}
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        if section not in sections or name not in _fields(sections[section]):
+            raise _unknown_key(key)
+        typ = _fields(sections[section])[name]
+        if isinstance(value, str) and typ is not str and not _is_str_literal(typ):
+            value = _parse_scalar(value)
+        changed.setdefault(section, {})[name] = _coerce(key, value, typ)
+    return dataclasses.replace(
+        cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in changed.items()}
+    )
+
+
+def _is_str_literal(typ) -> bool:
+    return typing.get_origin(typ) is Literal and all(isinstance(a, str) for a in typing.get_args(typ))
+
+
+def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+    """Read a preset, following 'extends: other.yaml' (relative to the preset's folder)."""
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist.")
+    if path.resolve() in seen:
+        raise ConfigError(f"config file '{path}' extends itself in a loop.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections.")
+    parent = data.pop("extends", None)
+    base = _read_yaml(path.parent / parent, seen + (path.resolve(),)) if parent else {}
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"section '{section}' in '{path}' must be a mapping of keys.")
+        base.setdefault(section, {}).update(values)
+    return base
+
+
+def parse_override(arg: str) -> tuple[str, str]:
+    """Split 'train.steps=10' into ('train.steps', '10') with a clear error otherwise."""
+    key, sep, value = arg.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"argument '{arg}' is neither a .yaml file nor a key=value override.")
+    return key.strip(), value
+
+
+def load_config(path: str | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """Build a Config from defaults, an optional YAML preset and key=value overrides."""
+    cfg = Config()
+    if path is not None:
+        cfg = apply_overrides(cfg, _read_yaml(Path(path)))
+    if overrides:
+        pairs = dict(parse_override(o) for o in overrides) if isinstance(overrides, list) else overrides
+        cfg = apply_overrides(cfg, pairs)
+    return cfg
+
+
+def resolve_mesh(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
+    """Axis sizes with -1 filled in; raises ConfigError unless they multiply to n_devices."""
+    sizes = {a: getattr(mesh, a) for a in MESH_AXES}
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis} must be a positive size or -1, got {size}.")
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ConfigError(f"only one mesh axis may be -1, but {', '.join('mesh.' + a for a in free)} all are.")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if n_devices % fixed:
+            named = ", ".join(f"mesh.{a}={s}" for a, s in sizes.items() if s > 1)
+            raise ConfigError(f"the fixed mesh axes ({named}) multiply to {fixed}, which does not divide "
+                              f"the {n_devices} devices.")
+        sizes[free[0]] = n_devices // fixed
+    elif fixed != n_devices:
+        raise ConfigError(f"the mesh axes multiply to {fixed} but there are {n_devices} devices.")
+    return sizes
+
+
+def validate(cfg: Config, n_devices: int) -> dict[str, int]:
+    """Check every cross-field constraint before anything is compiled; return mesh sizes."""
+    sizes = resolve_mesh(cfg.mesh, n_devices)
+    m, t = cfg.model, cfg.train
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key} must be positive, got {getattr(m, key)}.")
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}.")
+    tensor = sizes["tensor"]
+    for key in ("n_heads", "d_ff", "vocab_size"):
+        if getattr(m, key) % tensor:
+            raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by mesh.tensor={tensor}.")
+    if sizes["stage"] > 1:
+        raise ConfigError("mesh.stage > 1 needs pipeline parallelism, which this version does not have yet.")
+    for key in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
+        if getattr(t, key) <= 0:
+            raise ConfigError(f"train.{key} must be positive, got {getattr(t, key)}.")
+    if t.lr <= 0 or t.warmup < 0 or t.clip_norm <= 0 or t.weight_decay < 0:
+        raise ConfigError("train.lr and train.clip_norm must be positive, train.warmup and train.weight_decay non-negative.")
+    batch_ways = sizes["data"] * sizes["expert"] * t.grad_accum
+    if t.batch_size % batch_ways:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by mesh.data x mesh.expert x train.grad_accum"
+            f" = {sizes['data']} x {sizes['expert']} x {t.grad_accum}.")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
+    return sizes

@@ -1,0 +1,33 @@
+"""Deterministic batches: window starts drawn from a generator seeded by (seed, step).
+
+Any step's batch can be rebuilt from its index alone, so a run resumes at the same
+data position without saving an iterator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class BatchSampler:
+    """Random windows of seq_len+1 tokens from a token array, reproducible per step."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int):
+        self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+
+    def batch(self, step: int) -> np.ndarray:
+        """The (batch_size, seq_len+1) int32 batch for optimizer step `step`."""
+        rng = np.random.default_rng((self.seed, step))
+        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+        return self.windows(starts)
+
+    def windows(self, starts: np.ndarray) -> np.ndarray:
+        """Stack token windows beginning at `starts`."""
+        width = self.seq_len + 1
+        return np.stack([np.asarray(self.tokens[s: s + width]) for s in starts]).astype(np.int32)
+
+    def fixed_batches(self, count: int) -> list[np.ndarray]:
+        """`count` batches of evenly spaced windows covering the array (for validation)."""
+        last = len(self.tokens) - self.seq_len - 1
+        starts = np.linspace(0, last, count * self.batch_size).astype(np.int64)
+        return [self.windows(chunk) for chunk in starts.reshape(count, self.batch_size)]

@@ -1,0 +1,87 @@
+"""Devices and meshes: host-device emulation on CPU, accelerator discovery, mesh construction.
+
+`setup_devices` must run before jax initializes its backends: on a CPU-only host it sets
+XLA_FLAGS=--xla_force_host_platform_device_count so that an 8-device mesh "just works".
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import sys
+
+from jaxpar.config import MESH_AXES, Config, ConfigError
+
+DEFAULT_CPU_DEVICES = 8
+_ACCELERATOR_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm7-plugin", "libtpu")
+_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def requested_devices(cfg: Config) -> int | None:
+    """The device count asked for by run.devices, or None for 'auto'."""
+    value = cfg.run.devices
+    if value == "auto":
+        return None
+    if isinstance(value, int) and value > 0:
+        return value
+    raise ConfigError(f"run.devices must be 'auto' or a positive number, got {value!r}.")
+
+
+def _has_accelerator_plugin() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and set(platforms.split(",")) <= {"cpu"}:
+        return False
+    for name in _ACCELERATOR_PLUGINS:
+        try:
+            importlib.metadata.version(name)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return False
+
+
+def _emulate_cpu_devices(count: int) -> None:
+    """Ask XLA for `count` host devices, unless jax is already running (then it is too late)."""
+    if "jax" in sys.modules and _jax_backend_started():
+        return
+    flags = _COUNT_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def _jax_backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+        return bool(xla_bridge._backends)
+    except (ImportError, AttributeError):
+        return True
+
+
+def setup_devices(cfg: Config) -> list:
+    """Prepare and return the devices this run uses (emulated on a CPU-only host)."""
+    wanted = requested_devices(cfg)
+    if not _has_accelerator_plugin():
+        _emulate_cpu_devices(max(wanted or DEFAULT_CPU_DEVICES, DEFAULT_CPU_DEVICES))
+    import jax
+
+    devices = jax.devices()
+    if wanted is None:
+        if devices[0].platform == "cpu":
+            return devices[:DEFAULT_CPU_DEVICES]
+        return devices
+    if wanted > len(devices):
+        raise ConfigError(f"run.devices={wanted} but only {len(devices)} {devices[0].platform} devices exist.")
+    return devices[:wanted]
+
+
+def make_mesh(sizes: dict[str, int], devices: list):
+    """A mesh with axes (data, tensor, expert, stage), compiler-propagated (Auto) sharding."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    if len(devices) == jax.device_count():
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
+    # A subset of devices (e.g. the 1-device reference): lay them out in order.
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))

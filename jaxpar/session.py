@@ -1,0 +1,35 @@
+"""Everything checked and loaded before anything is compiled: config, devices, mesh sizes, data."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.config import Config, validate
+from jaxpar.data import BatchSampler, load_tokens, split_tokens
+from jaxpar.runtime import make_mesh, setup_devices
+
+
+@dataclasses.dataclass
+class Session:
+    """A validated config with its devices, mesh sizes and data samplers."""
+
+    cfg: Config
+    devices: list
+    mesh_sizes: dict[str, int]
+    train_data: BatchSampler
+    val_data: BatchSampler
+
+    def mesh(self):
+        """The configured mesh over this session's devices."""
+        return make_mesh(self.mesh_sizes, self.devices)
+
+
+def prepare(cfg: Config) -> Session:
+    """Set up devices (emulated on CPU), validate the config and load the data; raises UserError."""
+    devices = setup_devices(cfg)
+    sizes = validate(cfg, len(devices))
+    m, t = cfg.model, cfg.train
+    train_tokens, val_tokens = split_tokens(load_tokens(cfg.data.source, m.vocab_size), cfg.data.val_fraction,
+                                            m.seq_len)
+    return Session(cfg, devices, sizes, BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed),
+                   BatchSampler(val_tokens, m.seq_len, t.batch_size, t.seed))

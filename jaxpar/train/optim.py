@@ -1,0 +1,34 @@
+"""The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from jaxpar.config import TrainConfig
+
+
+def lr_schedule(t: TrainConfig) -> optax.Schedule:
+    """Linear warmup to train.lr, then cosine decay to a tenth of it at train.steps."""
+    warmup = min(t.warmup, t.steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=warmup, decay_steps=max(t.steps, warmup + 1),
+        end_value=t.lr * 0.1)
+
+
+def _decay_mask(params):
+    # Decay matrices only; norm scales (1 dim per layer) are left alone.
+    def is_matrix(x):
+        names = x.get_metadata().get("out_sharding") or ()
+        return sum(n != "layers" for n in names) >= 2
+
+    from flax import nnx
+    return jax.tree.map(lambda v: v.replace(is_matrix(v)), params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW (b2=0.95) on the schedule."""
+    return optax.chain(
+        optax.clip_by_global_norm(t.clip_norm),
+        optax.adamw(lr_schedule(t), b1=0.9, b2=0.95, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask),
+    )

@@ -1,0 +1,42 @@
+"""Run outputs: metrics.jsonl lines, summary.json and the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """Append one JSON object as a line."""
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON via a temporary file and rename, so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def plot_loss(records: list[dict], val_loss: float | None, path: Path) -> None:
+    """Training loss against step (with the final validation loss marked) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
+    if val_loss is not None and records:
+        ax.scatter([records[-1]["step"]], [val_loss], color="C3", zorder=3, label=f"validation {val_loss:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)

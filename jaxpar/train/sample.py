@@ -1,0 +1,25 @@
+"""Greedy text generation, so a user can see what the model learned."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def greedy_sample(graphdef: nnx.GraphDef, params: nnx.State, prompt: str, new_tokens: int, seq_len: int) -> str:
+    """Extend a byte-level prompt by `new_tokens` argmax steps over a sliding seq_len window."""
+
+    @jax.jit
+    def next_token(params, window_1L, position):
+        logits_LV = nnx.merge(graphdef, params)(window_1L)[0]
+        return jnp.argmax(logits_LV[position])
+
+    tokens = list(prompt.encode("utf-8"))
+    for _ in range(new_tokens):
+        window = tokens[-seq_len:]
+        padded = np.zeros((1, seq_len), np.int32)  # causal: padding after `position` is never seen
+        padded[0, : len(window)] = window
+        tokens.append(int(next_token(params, padded, len(window) - 1)))
+    return bytes(tokens).decode("utf-8", errors="replace")
