@@ -53,7 +53,7 @@ class MeshConfig:
 class TrainConfig:
     """Optimization: steps, batch, schedule and numerics."""
 
-    steps: int = 200
+    steps: int = 300
     batch_size: int = 32
     grad_accum: int = 1
     lr: float = 3e-3
