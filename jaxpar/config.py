@@ -155,7 +155,12 @@ def _coerce(key: str, value, typ):
 
 
 def _parse_scalar(text: str):
-    """Turn a command-line value into a Python scalar the way YAML would."""
+    """Turn a command-line value into a Python scalar: int, float (1e-3 too), else as YAML reads it."""
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
     try:
         return yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:

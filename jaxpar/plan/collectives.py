@@ -21,6 +21,7 @@ _OP_LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<shape>.+?)\s+(?P<op>" + "
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>\S+)\s.*\{\s*$")
 _WHILE_BODY = re.compile(r"\bwhile\(.*?body=%(?P<body>[^\s,]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,12 @@ class Collective:
     mesh_axes: tuple[str, ...]
     computation: str
     in_loop: bool
+    count: int  # executions per step: the product of the trip counts of the loops around it
+
+    @property
+    def total_bytes(self) -> int:
+        """Payload bytes moved per step by this op, loops unrolled."""
+        return self.bytes * self.count
 
 
 def _payload(shape_text: str) -> tuple[int, tuple[str, ...]]:
@@ -77,26 +84,37 @@ def _axes_spanned(group: list[int], mesh_shape: dict[str, int]) -> tuple[str, ..
 
 def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
     """All collectives in `compiled.as_text()`, for a mesh of axis sizes `mesh_shape` (in order)."""
-    loop_bodies = {m.group("body") for m in _WHILE_BODY.finditer(hlo_text)}
     n_devices = math.prod(mesh_shape.values())
-    found, computation = [], ""
+    parent: dict[str, tuple[str, int]] = {}  # loop body -> (computation holding the loop, trip count)
+    ops, computation = [], ""
     for line in hlo_text.splitlines():
         if m := _COMPUTATION.match(line):
             computation = m.group("name")
-            continue
-        m = _OP_LINE.match(line)
-        if not m:
-            continue
+        elif m := _WHILE_BODY.search(line):
+            trips = _TRIP_COUNT.search(line)
+            parent[m.group("body")] = (computation, int(trips.group(1)) if trips else 1)
+        elif m := _OP_LINE.match(line):
+            ops.append((computation, m))
+
+    def executions(name: str) -> int:
+        count = 1
+        while name in parent:
+            name, trips = parent[name]
+            count *= trips
+        return count
+
+    found = []
+    for computation, m in ops:
         nbytes, shapes = _payload(m.group("shape"))
         group = _first_group(m.group("rest"), n_devices)
         found.append(Collective(m.group("op"), nbytes, shapes, _axes_spanned(group, mesh_shape), computation,
-                                computation in loop_bodies))
+                                computation in parent, executions(computation)))
     return found
 
 
 def bytes_by_op(found: list[Collective]) -> dict[str, int]:
-    """Total payload bytes per collective kind (loop bodies counted once)."""
+    """Total payload bytes per step for each collective kind."""
     totals = {op: 0 for op in COLLECTIVE_OPS}
     for c in found:
-        totals[c.op] += c.bytes
+        totals[c.op] += c.total_bytes
     return totals

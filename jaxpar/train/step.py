@@ -67,7 +67,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             loss, grads = accumulated_grads(loss_fn, state.params, tokens_BT, grad_accum)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return train_step

@@ -1,0 +1,57 @@
+"""Every mistake a user can make ends in one sentence on stderr and exit code 2, before compiling."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar.cli import main
+
+
+# case -> (arguments, where {tmp} is a scratch folder; words the error must contain)
+BAD_INPUTS = {
+    "mesh product": (["mesh.data=3", "mesh.tensor=2"], "multiply to 6 but there are 8 devices"),
+    "tensor does not divide devices": (["mesh.tensor=3"], "does not divide the 8 devices"),
+    "heads": (["mesh.data=2", "mesh.tensor=4", "model.n_heads=2", "model.d_model=64"],
+              "model.n_heads=2 is not divisible by mesh.tensor=4"),
+    "d_ff": (["mesh.data=4", "mesh.tensor=2", "model.d_ff=513"], "model.d_ff=513 is not divisible by mesh.tensor=2"),
+    "vocab": (["mesh.data=4", "mesh.tensor=2", "model.vocab_size=257"],
+              "model.vocab_size=257 is not divisible by mesh.tensor=2"),
+    "batch": (["mesh.data=8", "train.batch_size=12"], "train.batch_size=12 is not divisible"),
+    "batch with accumulation": (["mesh.data=8", "train.batch_size=32", "train.grad_accum=8"],
+                                "is not divisible by mesh.data x mesh.expert x train.grad_accum"),
+    "unknown key": (["model.d_modle=64"], "did you mean 'model.d_model'"),
+    "wrong type": (["train.steps=many"], "train.steps expects an integer"),
+    "missing data file": (["data.source={tmp}/missing.txt"], "does not exist"),
+    "missing config file": (["{tmp}/nope.yaml"], "does not exist"),
+    "empty corpus": (["data.source={tmp}/empty.txt"], "too few for windows"),
+    "short corpus": (["data.source={tmp}/short.txt"], "too few for windows"),
+    "bad token file": (["data.source={tmp}/odd.bin"], "odd byte count"),
+    "too many devices": (["run.devices=64"], "only 8 cpu devices exist"),
+    "pipeline not yet": (["mesh.data=4", "mesh.stage=2"], "mesh.stage > 1 needs pipeline parallelism"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+@pytest.mark.parametrize("command", ["train", "verify"])
+def test_bad_input_exits_2_with_one_sentence(case, command, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("just a few words of text")
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    args, message = BAD_INPUTS[case]
+    run_dir = tmp_path / "run"
+    code = main([command, f"run.dir={run_dir}", *(a.format(tmp=tmp_path) for a in args)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert message in err
+    assert len(err.splitlines()) == 1 and err.startswith("jaxpar: error: ") and err.endswith((".", "?"))
+    assert not run_dir.exists(), "nothing may be written for a rejected config"
+
+
+def test_console_script_error_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jaxpar", "train", "mesh.tensor=3", f"run.dir={tmp_path}/r"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "jaxpar: error: the fixed mesh axes (mesh.tensor=3) multiply to 3, which does not divide the 8 devices."]

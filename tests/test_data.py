@@ -1,0 +1,44 @@
+"""Data sources and deterministic batches."""
+
+import numpy as np
+import pytest
+
+from jaxpar.data import BatchSampler, DataError, builtin_text, load_tokens, split_tokens
+
+
+def test_builtin_corpus_is_real_english_text():
+    text = builtin_text()
+    assert len(text.encode()) > 400_000
+    assert "the" in text and "function" in text
+
+
+def test_text_file_folder_and_token_file(tmp_path):
+    (tmp_path / "a.txt").write_text("hello ")
+    (tmp_path / "b.txt").write_text("world")
+    assert bytes(load_tokens(str(tmp_path / "a.txt"), 256)) == b"hello "
+    assert bytes(load_tokens(str(tmp_path), 256)) == b"hello \n\nworld"
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    tokens = load_tokens(str(tmp_path / "t.bin"), 1000)
+    assert isinstance(tokens, np.memmap) and tokens[999] == 999
+    with pytest.raises(DataError, match="outside model.vocab_size=999"):
+        load_tokens(str(tmp_path / "t.bin"), 999)
+
+
+def test_batches_are_reproducible_per_step_and_differ_across_steps():
+    tokens = np.arange(10_000) % 256
+    sampler = BatchSampler(tokens, seq_len=16, batch_size=4, seed=3)
+    first = sampler.batch(5)
+    assert first.shape == (4, 17) and first.dtype == np.int32
+    np.testing.assert_array_equal(first, BatchSampler(tokens, 16, 4, seed=3).batch(5))
+    assert not np.array_equal(first, sampler.batch(6))
+    assert not np.array_equal(first, BatchSampler(tokens, 16, 4, seed=4).batch(5))
+    # windows are contiguous text: target = input shifted by one
+    assert all(np.all((row[1:] - row[:-1]) % 256 == 1) for row in first)
+
+
+def test_validation_split_is_held_out():
+    tokens = np.arange(1000)
+    train, val = split_tokens(tokens, 0.1, 8)
+    assert len(val) == 100 and train[-1] + 1 == val[0]
+    batches = BatchSampler(val, 8, 2, 0).fixed_batches(3)
+    assert len(batches) == 3 and all(b.min() >= 900 for b in batches)

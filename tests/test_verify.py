@@ -1,0 +1,53 @@
+"""Every layout trains to the same numbers as the single-device reference."""
+
+import pytest
+
+from jaxpar.train import verify as verify_module
+from jaxpar.train.verify import TOLERANCES, verify
+
+LAYOUTS = {
+    "data=8": ["mesh.data=8"],
+    "data=4 x tensor=2": ["mesh.data=4", "mesh.tensor=2"],
+    "data=2 x tensor=4": ["mesh.data=2", "mesh.tensor=4"],
+    "data=8, grad_accum=4": ["mesh.data=8", "train.grad_accum=4"],
+    "data=2 x tensor=2 x expert=2, learned positions, untied head": [
+        "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "model.positions=learned", "model.tie_embeddings=false"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_device(layout, session_for):
+    result = verify(session_for("train.steps=3", *LAYOUTS[layout]), log=lambda line: None)
+    assert result["ok"], result
+    assert result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4
+
+
+def test_bf16_stays_within_bf16_tolerance_of_fp32(session_for):
+    result = verify(session_for("train.steps=5", "mesh.data=4", "mesh.tensor=2", "train.precision=bf16"),
+                    log=lambda line: None)
+    loss_tol, param_tol = TOLERANCES["bf16"]
+    assert result["ok"], result
+    assert result["loss_max_rel_err"] <= loss_tol and result["param_max_rel_err"] <= param_tol
+    # bf16 really is in use: it cannot match fp32 to fp32 precision.
+    assert result["param_max_rel_err"] > TOLERANCES["fp32"][1]
+
+
+def test_verify_detects_a_different_trajectory(session_for, monkeypatch):
+    """The comparison can fail: a reference with another learning rate must be reported."""
+    original = verify_module.reference_config
+    monkeypatch.setattr(verify_module, "reference_config", lambda cfg: original(cfg).replace(**{"train.lr": 1e-3}))
+    result = verify(session_for("train.steps=3", "mesh.data=8"), log=lambda line: None)
+    assert not result["ok"]
+    assert result["param_max_rel_err"] > 1e-4
+
+
+def test_verify_cli_prints_json_last_line(tmp_path, capsys):
+    import json
+
+    from jaxpar.cli import main
+
+    code = main(["verify", "mesh.data=8", "train.grad_accum=2", f"run.dir={tmp_path}"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(last)
+    assert code == 0 and result["ok"] is True and result["steps"] == 3
+    assert set(result) == {"ok", "layout", "steps", "loss_max_rel_err", "param_max_rel_err"}
