@@ -264,6 +264,9 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
             raise ConfigError(f"model.{key} must be positive, got {getattr(m, key)}.")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}.")
+    if m.positions == "rope" and (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"rotary positions need an even head size, but model.d_model / model.n_heads = "
+                          f"{m.d_model // m.n_heads}.")
     tensor = sizes["tensor"]
     for key in ("n_heads", "d_ff", "vocab_size"):
         if getattr(m, key) % tensor:

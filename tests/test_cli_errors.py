@@ -14,6 +14,7 @@ BAD_INPUTS = {
     "tensor does not divide devices": (["mesh.tensor=3"], "does not divide the 8 devices"),
     "heads": (["mesh.data=2", "mesh.tensor=4", "model.n_heads=2", "model.d_model=64"],
               "model.n_heads=2 is not divisible by mesh.tensor=4"),
+    "odd head size with rope": (["model.d_model=129", "model.n_heads=3"], "rotary positions need an even head size"),
     "d_ff": (["mesh.data=4", "mesh.tensor=2", "model.d_ff=513"], "model.d_ff=513 is not divisible by mesh.tensor=2"),
     "vocab": (["mesh.data=4", "mesh.tensor=2", "model.vocab_size=257"],
               "model.vocab_size=257 is not divisible by mesh.tensor=2"),
