@@ -1,4 +1,4 @@
-"""The `jaxpar` command line: train and verify.
+"""The `jaxpar` command line: train, verify and plan.
 
 User mistakes (config, devices, data) end in one sentence on stderr and exit code 2,
 before anything is compiled.
@@ -59,6 +59,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from jaxpar.session import prepare
+
+    session = prepare(_load(args.settings))
+    from jaxpar.plan import format_report, measure_step
+    from jaxpar.train.trainer import Trainer
+
+    plan = measure_step(Trainer(session.cfg, session.mesh()))
+    print(format_report(plan))
+    print(json.dumps({k: v for k, v in plan.items() if k != "collective_ops"}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for all subcommands."""
     parser = argparse.ArgumentParser(prog="jaxpar", description="Train transformer LMs across many devices with JAX.")
@@ -68,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("settings", nargs="*", help=settings_help)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(run=cmd_train)
+    p = sub.add_parser("plan", help="compile the step and report per-device memory, FLOPs and collectives")
+    p.add_argument("settings", nargs="*", help=settings_help)
+    p.set_defaults(run=cmd_plan)
     p = sub.add_parser("verify", help="compare a layout against the single-device reference")
     p.add_argument("settings", nargs="*", help=settings_help)
     p.set_defaults(run=cmd_verify)

@@ -58,12 +58,22 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 3e-3
     warmup: int = 20
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 0
     log_every: int = 10
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     eval_batches: int = 8
+    optimizer: Literal["adamw", "adafactor"] = "adamw"
+    remat: Literal["none", "full", "dots", "sqrt"] = "none"
+    loss_scale_window: int = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How state is partitioned beyond the mesh axes: ZeRO stage over the data-parallel devices."""
+
+    zero: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +99,7 @@ class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
     train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
     run: RunConfig = RunConfig()
 
@@ -111,9 +122,20 @@ def _fields(cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _leaf_types(cls, prefix: str = "") -> dict[str, type]:
+    """Every dotted key under a config dataclass with its type, nested sections flattened."""
+    out = {}
+    for name, typ in _fields(cls).items():
+        if dataclasses.is_dataclass(typ):
+            out.update(_leaf_types(typ, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = typ
+    return out
+
+
 def all_keys() -> list[str]:
     """Every dotted key the config accepts, e.g. 'model.d_model'."""
-    return [f"{s}.{k}" for s, typ in _fields(Config).items() for k in _fields(typ)]
+    return list(_leaf_types(Config))
 
 
 def _unknown_key(key: str) -> ConfigError:
@@ -167,27 +189,33 @@ def _parse_scalar(text: str):
         return text
 
 
-def apply_overrides(cfg: Config, overrides: dict) -> Config:
-    """Apply {'section.key': value} (or {'section': {key: value}}) overrides, with type checks."""
-    flat: dict[str, object] = {}
-    for key, value in overrides.items():
-        if "." not in key and isinstance(value, dict):
-            flat.update({f"{key}.{k}": v for k, v in value.items()})
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
         else:
-            flat[key] = value
-    sections = _fields(Config)
-    changed: dict[str, dict] = {}
-    for key, value in flat.items():
-        section, _, name = key.partition(".")
-        if section not in sections or name not in _fields(sections[section]):
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _set_path(obj, parts: list[str], value):
+    if len(parts) == 1:
+        return dataclasses.replace(obj, **{parts[0]: value})
+    return dataclasses.replace(obj, **{parts[0]: _set_path(getattr(obj, parts[0]), parts[1:], value)})
+
+
+def apply_overrides(cfg: Config, overrides: dict) -> Config:
+    """Apply {'section.key': value} (or nested {'section': {key: value}}) overrides, with type checks."""
+    types = _leaf_types(Config)
+    for key, value in _flatten(overrides).items():
+        if key not in types:
             raise _unknown_key(key)
-        typ = _fields(sections[section])[name]
+        typ = types[key]
         if isinstance(value, str) and typ is not str and not _is_str_literal(typ):
             value = _parse_scalar(value)
-        changed.setdefault(section, {})[name] = _coerce(key, value, typ)
-    return dataclasses.replace(
-        cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in changed.items()}
-    )
+        cfg = _set_path(cfg, key.split("."), _coerce(key, value, typ))
+    return cfg
 
 
 def _is_str_literal(typ) -> bool:
@@ -211,8 +239,14 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"section '{section}' in '{path}' must be a mapping of keys.")
-        base.setdefault(section, {}).update(values)
-    return base
+    return _merge(base, data)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        merged[key] = _merge(merged.get(key, {}), value) if isinstance(value, dict) else value
+    return merged
 
 
 def parse_override(arg: str) -> tuple[str, str]:
@@ -283,6 +317,10 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by mesh.data x mesh.expert x train.grad_accum"
             f" = {sizes['data']} x {sizes['expert']} x {t.grad_accum}.")
+    if cfg.parallel.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {cfg.parallel.zero}.")
+    if t.loss_scale_window <= 0:
+        raise ConfigError(f"train.loss_scale_window must be positive, got {t.loss_scale_window}.")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
     return sizes

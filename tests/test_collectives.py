@@ -14,14 +14,6 @@ def _compiled(session):
     return trainer, collectives(trainer.compile_step().as_text(), session.mesh_sizes)
 
 
-def _tied_embedding_bytes(trainer):
-    """The tied embedding gets two gradient contributions (lookup and logits); XLA all-reduces
-    them separately before adding, so its gradient crosses the data axis twice."""
-    sharding = trainer.state_shardings.params["embedding"].get_value()
-    cfg = trainer.cfg.model
-    return math.prod(sharding.shard_shape((cfg.vocab_size, cfg.d_model))) * 4 if cfg.tie_embeddings else 0
-
-
 def _gradient_reduction_bytes(found, axes=("data",)):
     """Bytes of (fp32) arrays all-reduced over `axes` per step, leaving out scalars (loss, norms)."""
     total = 0
@@ -55,7 +47,7 @@ def test_megatron_collectives_for_data4_tensor2(session_for):
     assert len(tensor_in_layers) == 4
     assert all(c.bytes == activation_bytes and c.count == cfg.model.n_layers for c in tensor_in_layers)
     # Data-parallel gradient all-reduce covers every (tensor-sharded) parameter exactly once.
-    assert _gradient_reduction_bytes(found) == _local_param_bytes(trainer) + _tied_embedding_bytes(trainer)
+    assert _gradient_reduction_bytes(found) == _local_param_bytes(trainer)
 
 
 def test_pure_data_parallel_only_all_reduces_gradients(session_for):
@@ -63,14 +55,18 @@ def test_pure_data_parallel_only_all_reduces_gradients(session_for):
     trainer, found = _compiled(session)
     assert {c.mesh_axes for c in found} <= {("data",)}
     assert {c.op for c in found} == {"all-reduce"}
-    assert _gradient_reduction_bytes(found) == _local_param_bytes(trainer) + _tied_embedding_bytes(trainer)
-
-
-def test_untied_head_reduces_each_gradient_once(session_for):
-    session = session_for("mesh.data=8", "model.tie_embeddings=false")
-    trainer, found = _compiled(session)
-    assert _tied_embedding_bytes(trainer) == 0
     assert _gradient_reduction_bytes(found) == _local_param_bytes(trainer)
+
+
+def test_tied_embedding_gradient_is_reduced_once(session_for):
+    """Lookup and logits both contribute to the tied embedding's gradient; they are summed
+    locally, then reduced once (not one all-reduce per use)."""
+    tied, tied_found = _compiled(session_for("mesh.data=8"))
+    untied, untied_found = _compiled(session_for("mesh.data=8", "model.tie_embeddings=false"))
+    cfg = tied.cfg.model
+    head_bytes = cfg.vocab_size * cfg.d_model * 4
+    assert _local_param_bytes(untied) - _local_param_bytes(tied) == head_bytes
+    assert _gradient_reduction_bytes(untied_found) - _gradient_reduction_bytes(tied_found) == head_bytes
 
 
 @pytest.mark.parametrize("group", ["[4,2]<=[8]", "{{0,1},{2,3},{4,5},{6,7}}", "mesh['a'=4,'b'=2] {'b'}"])

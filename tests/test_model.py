@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ModelConfig
 from jaxpar.model import LOGICAL_AXES, Transformer
-from jaxpar.parallel import RULES, logical_to_spec, tree_shardings
+from jaxpar.parallel import RULES, Layout, logical_to_spec
 from jaxpar.runtime import make_mesh
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "jaxpar" / "model"
@@ -33,7 +33,7 @@ def test_every_parameter_has_logical_names_from_the_table():
 def test_megatron_layout_of_the_weights():
     model = nnx.eval_shape(lambda: Transformer(ModelConfig(), rngs=nnx.Rngs(0)))
     mesh = make_mesh({"data": 4, "tensor": 2, "expert": 1, "stage": 1}, jax.devices())
-    specs = jax.tree.map(lambda s: s.spec, tree_shardings(nnx.state(model), mesh))
+    specs = Layout(mesh).param_specs(nnx.state(model))
     blocks = specs["blocks"]
     assert blocks["mlp"]["w_up"].get_value() == P(None, None, "tensor")      # column split
     assert blocks["mlp"]["w_down"].get_value() == P(None, "tensor", None)    # row split

@@ -10,6 +10,17 @@ LAYOUTS = {
     "data=4 x tensor=2": ["mesh.data=4", "mesh.tensor=2"],
     "data=2 x tensor=4": ["mesh.data=2", "mesh.tensor=4"],
     "data=8, grad_accum=4": ["mesh.data=8", "train.grad_accum=4"],
+    "data=8, zero 1": ["mesh.data=8", "parallel.zero=1"],
+    "data=8, zero 2": ["mesh.data=8", "parallel.zero=2"],
+    "data=8, zero 3": ["mesh.data=8", "parallel.zero=3"],
+    "data=4 x tensor=2, zero 3": ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3"],
+    "data=2 x tensor=2 x expert=2, zero 2, grad_accum=2": [
+        "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=2", "train.grad_accum=2"],
+    "data=8, remat full": ["mesh.data=8", "train.remat=full"],
+    "data=8, remat dots": ["mesh.data=8", "train.remat=dots"],
+    "data=4 x tensor=2, remat sqrt, 9 layers": ["mesh.data=4", "mesh.tensor=2", "train.remat=sqrt", "model.n_layers=9"],
+    "data=8, adafactor": ["mesh.data=8", "train.optimizer=adafactor"],
+    "data=8, adafactor, zero 3": ["mesh.data=8", "train.optimizer=adafactor", "parallel.zero=3"],
     "data=2 x tensor=2 x expert=2, learned positions, untied head": [
         "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "model.positions=learned", "model.tie_embeddings=false"],
 }
@@ -22,13 +33,14 @@ def test_layout_matches_single_device(layout, session_for):
     assert result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4
 
 
-def test_bf16_stays_within_bf16_tolerance_of_fp32(session_for):
-    result = verify(session_for("train.steps=5", "mesh.data=4", "mesh.tensor=2", "train.precision=bf16"),
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_stays_within_its_tolerance_of_fp32(session_for, precision):
+    result = verify(session_for("train.steps=5", "mesh.data=4", "mesh.tensor=2", f"train.precision={precision}"),
                     log=lambda line: None)
-    loss_tol, param_tol = TOLERANCES["bf16"]
+    loss_tol, param_tol = TOLERANCES[precision]
     assert result["ok"], result
     assert result["loss_max_rel_err"] <= loss_tol and result["param_max_rel_err"] <= param_tol
-    # bf16 really is in use: it cannot match fp32 to fp32 precision.
+    # half precision really is in use: it cannot match fp32 to fp32 precision.
     assert result["param_max_rel_err"] > TOLERANCES["fp32"][1]
 
 

@@ -2,22 +2,42 @@
 
 Parameters carry their logical names as Flax `out_sharding` metadata, so
 `nnx.get_partition_spec` and `nnx.logical_axis_rules` work on jaxpar modules as on any
-Flax model. Activations are annotated through `constrain`, which does nothing unless a
-parallel layout has installed a resolver with `activation_sharding` (jaxpar.parallel does).
+Flax model (eager sharding is off: the layout is chosen by jaxpar.parallel).
+
+Hooks let a parallel layout act inside the model without the model knowing any mesh:
+`constrain` annotates an activation's sharding by logical names; `model_weights` is applied
+to the whole parameter state before the model is built from it, and `layer_weights` to each
+layer's weights inside the layer scan (ZeRO-3 gathers there). They do nothing unless a
+layout installs itself with `layout_hooks`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable
+from typing import Protocol
 
 import jax
 from flax import nnx
 
 LOGICAL_AXES = ("batch", "seq", "embed", "mlp", "heads", "kv", "vocab", "expert", "layers", "pos")
 
-_resolver: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("jaxpar_resolver", default=None)
+
+class LayoutHooks(Protocol):
+    """What a parallel layout provides to the model while a step is traced."""
+
+    def constrain(self, x: jax.Array, names: tuple) -> jax.Array: ...
+
+    def model_weights(self, state): ...
+
+    def layer_weights(self, layer_state, index: jax.Array): ...
+
+    # A jax.checkpoint policy for the layer scan when no remat is asked for: it keeps
+    # activations but not the weights `layer_weights` produced (redone in backward). None: no policy.
+    layer_weights_policy: object
+
+
+_hooks: contextvars.ContextVar[LayoutHooks | None] = contextvars.ContextVar("jaxpar_layout", default=None)
 
 
 def param(key: jax.Array, shape: tuple[int, ...], names: tuple[str | None, ...], scale: float,
@@ -35,15 +55,33 @@ def ones_param(shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Par
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Constrain an activation's sharding by logical names, if a layout is active."""
-    resolve = _resolver.get()
-    return x if resolve is None else resolve(x, names)
+    hooks = _hooks.get()
+    return x if hooks is None else hooks.constrain(x, names)
+
+
+def model_weights(state):
+    """The parameter state as the model should use it (e.g. non-stacked shards gathered)."""
+    hooks = _hooks.get()
+    return state if hooks is None else hooks.model_weights(state)
+
+
+def layer_weights(layer_state, index: jax.Array):
+    """Layer `index`'s weights as the layer should use them (e.g. gathered), if a layout is active."""
+    hooks = _hooks.get()
+    return layer_state if hooks is None else hooks.layer_weights(layer_state, index)
+
+
+def layer_weights_policy():
+    """The active layout's checkpoint policy for layer weights (see LayoutHooks), or None."""
+    hooks = _hooks.get()
+    return None if hooks is None else getattr(hooks, "layer_weights_policy", None)
 
 
 @contextlib.contextmanager
-def activation_sharding(resolve: Callable[[jax.Array, tuple], jax.Array]):
-    """Install `resolve(x, logical_names) -> x` for `constrain` while tracing a step."""
-    token = _resolver.set(resolve)
+def layout_hooks(hooks: LayoutHooks):
+    """Install a layout's hooks while tracing a step."""
+    token = _hooks.set(hooks)
     try:
         yield
     finally:
-        _resolver.reset(token)
+        _hooks.reset(token)

@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.attention import Attention
-from jaxpar.model.axes import constrain, param
+from jaxpar.model.axes import constrain, layer_weights, layer_weights_policy, param
 from jaxpar.model.layers import RMSNorm
 from jaxpar.model.mlp import MLP
 
@@ -49,12 +49,12 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(D)
         self.head = None if cfg.tie_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), D ** -0.5)
 
-    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+    def __call__(self, tokens_BL: jax.Array, remat: str = "none") -> jax.Array:
         table_VD = self.embedding[...]
         x_BLD = constrain(jnp.take(table_VD, tokens_BL, axis=0), ("batch", "seq", "embed"))
         if self.pos_embedding is not None:
             x_BLD = x_BLD + self.pos_embedding[...][: tokens_BL.shape[1]][None]
-        x_BLD = self.run_blocks(x_BLD)
+        x_BLD = self.run_blocks(x_BLD, remat)
         x_BLD = self.final_norm(x_BLD)
         if self.head is None:
             logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, table_VD)
@@ -62,12 +62,60 @@ class Transformer(nnx.Module):
             logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.head[...])
         return constrain(logits_BLV, ("batch", "seq", "vocab"))
 
-    def run_blocks(self, x_BLD: jax.Array) -> jax.Array:
-        """Scan the stacked blocks so compile time does not grow with depth."""
+    def run_blocks(self, x_BLD: jax.Array, remat: str = "none") -> jax.Array:
+        """Scan the stacked blocks so compile time does not grow with depth.
+
+        remat: 'none' keeps every activation for backward; 'full' keeps only each layer's
+        input and recomputes the layer; 'dots' keeps matmul outputs only; 'sqrt' splits the
+        L layers into about sqrt(L) segments, keeps segment inputs and recomputes a whole
+        segment in backward (a nested scan): O(sqrt L) activation memory. When the layout
+        expands weights per layer (ZeRO-2/3), the expanded weights are fetched again in
+        backward rather than kept, so about one layer's full weights exist at a time.
+        """
         graphdef, stacked = nnx.split(self.blocks)
+        n_layers = len_layers(stacked)
 
-        def one_layer(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x), None
+        def one_layer(x, layer):
+            layer_state, index = layer
+            return nnx.merge(graphdef, layer_weights(layer_state, index))(x), None
 
-        x_BLD, _ = jax.lax.scan(one_layer, x_BLD, stacked)
+        policy = REMAT_POLICIES.get(remat) or layer_weights_policy()
+        if policy is not None:
+            one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
+        layers = (stacked, jnp.arange(n_layers))
+        if remat == "sqrt":
+            return _segmented_scan(one_layer, x_BLD, layers, sqrt_segments(n_layers))
+        x_BLD, _ = jax.lax.scan(one_layer, x_BLD, layers)
         return x_BLD
+
+
+# Per-layer checkpoint policies; 'sqrt' checkpoints whole segments instead (see _segmented_scan).
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def len_layers(stacked) -> int:
+    """Number of layers in a stacked state (its leading dimension)."""
+    return jax.tree.leaves(stacked)[0].shape[0]
+
+
+def sqrt_segments(n_layers: int) -> int:
+    """The divisor of n_layers closest to sqrt(n_layers): how many remat segments to use."""
+    divisors = [d for d in range(1, n_layers + 1) if n_layers % d == 0]
+    return min(divisors, key=lambda d: (abs(d - n_layers ** 0.5), d))
+
+
+def _segmented_scan(one_layer, x_BLD, layers, segments: int):
+    """Outer scan over segments (checkpointed: only its input is kept), inner scan over layers."""
+    per_segment = len_layers(layers) // segments
+    grouped = jax.tree.map(lambda a: a.reshape(segments, per_segment, *a.shape[1:]), layers)
+
+    @jax.checkpoint
+    def one_segment(x, segment_layers):
+        x, _ = jax.lax.scan(one_layer, x, segment_layers)
+        return x, None
+
+    x_BLD, _ = jax.lax.scan(one_segment, x_BLD, grouped)
+    return x_BLD

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import optax
+from flax import nnx
 
 from jaxpar.config import TrainConfig
 
@@ -22,13 +23,22 @@ def _decay_mask(params):
         names = x.get_metadata().get("out_sharding") or ()
         return sum(n != "layers" for n in names) >= 2
 
-    from flax import nnx
     return jax.tree.map(lambda v: v.replace(is_matrix(v)), params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW (b2=0.95) on the schedule."""
-    return optax.chain(
-        optax.clip_by_global_norm(t.clip_norm),
-        optax.adamw(lr_schedule(t), b1=0.9, b2=0.95, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask),
-    )
+    """Clip by global norm, then AdamW (b2=0.95) or Adafactor (factored second moments) on the schedule.
+
+    Adafactor keeps row and column statistics instead of a full second moment and no first
+    moment; its step is not scaled by the parameter norm, so train.lr means the same as for AdamW.
+    It factors any weight whose two largest dimensions are at least 32, so head-split
+    attention weights (D, 3, H, K) are factored too (optax's default threshold, 128, skips them).
+    """
+    if t.optimizer == "adafactor":
+        update = optax.adafactor(lr_schedule(t), min_dim_size_to_factor=32, multiply_by_parameter_scale=False,
+                                 clipping_threshold=None,
+                                 weight_decay_rate=t.weight_decay or None, weight_decay_mask=_decay_mask)
+    else:
+        update = optax.adamw(lr_schedule(t), b1=0.9, b2=0.95, eps=1e-8, weight_decay=t.weight_decay,
+                             mask=_decay_mask)
+    return optax.chain(optax.clip_by_global_norm(t.clip_norm), update)

@@ -1,11 +1,21 @@
-"""Mixed precision: the dtype the forward pass computes in; master weights stay fp32."""
+"""Mixed precision: compute dtypes, and dynamic loss scaling for fp16.
+
+Master weights stay fp32; the forward pass runs on a cast copy, so gradients arrive in fp32.
+fp16 needs loss scaling: its smallest normal value is 6e-5, and small gradients would
+underflow to zero. The loss is multiplied by a scale before differentiation and the
+gradients divided by it after. A non-finite gradient halves the scale and skips the update;
+`window` good steps in a row double it.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+INITIAL_FP16_SCALE = 2.0 ** 15
 
 
 def cast_for_compute(params, precision: str):
@@ -14,3 +24,31 @@ def cast_for_compute(params, precision: str):
     if dtype == jnp.float32:
         return params
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """Dynamic loss-scale state: the scale, good steps since the last change, steps skipped."""
+
+    scale: jax.Array
+    good_steps: jax.Array
+    skipped_steps: jax.Array
+
+    @staticmethod
+    def initial(precision: str) -> "LossScale":
+        """2^15 for fp16; a constant 1 (never changed) otherwise."""
+        scale = INITIAL_FP16_SCALE if precision == "fp16" else 1.0
+        return LossScale(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+    def update(self, finite: jax.Array, window: int) -> "LossScale":
+        """Halve and count a skip on overflow; double after `window` good steps in a row."""
+        good = jnp.where(finite, self.good_steps + 1, 0)
+        grow = good >= window
+        scale = jnp.where(finite, jnp.where(grow, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0))
+        return LossScale(scale, jnp.where(grow, 0, good), self.skipped_steps + (~finite).astype(jnp.int32))
+
+
+def all_finite(tree) -> jax.Array:
+    """True when every element of every leaf is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))

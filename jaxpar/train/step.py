@@ -13,31 +13,34 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.train.precision import cast_for_compute
+from jaxpar.config import TrainConfig
+from jaxpar.model import layout_hooks, model_weights
+from jaxpar.train.precision import LossScale, all_finite, cast_for_compute
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Everything that changes from step to step: counter, fp32 parameters, optimizer state."""
+    """Everything that changes from step to step: counter, fp32 parameters, optimizer and loss-scale state."""
 
     step: jax.Array
     params: nnx.State
     opt_state: optax.OptState
+    loss_scale: LossScale
 
 
-def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array, precision: str) -> jax.Array:
+def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array, precision: str,
+               remat: str = "none") -> jax.Array:
     """Mean next-token cross-entropy over the batch, computed in fp32."""
-    model = nnx.merge(graphdef, cast_for_compute(params, precision))
-    logits_BLV = model(tokens_BT[:, :-1]).astype(jnp.float32)
+    model = nnx.merge(graphdef, cast_for_compute(model_weights(params), precision))
+    logits_BLV = model(tokens_BT[:, :-1], remat=remat).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, tokens_BT[:, 1:]).mean()
 
 
 def accumulated_grads(loss_fn: Callable, params, tokens_BT: jax.Array, microbatches: int):
     """Loss and gradients of the batch mean, summed over `microbatches` slices in fp32.
 
-    Microbatch i takes rows i, i+k, i+2k, ... so every data-parallel shard holds an equal
-    part of every microbatch and no resharding is needed.
+    Microbatch i takes rows i, i+k, i+2k, ... of the (local) batch.
     """
     grad_fn = jax.value_and_grad(loss_fn)
     if microbatches == 1:
@@ -55,29 +58,40 @@ def accumulated_grads(loss_fn: Callable, params, tokens_BT: jax.Array, microbatc
     return loss_sum / microbatches, jax.tree.map(lambda g: g / microbatches, grad_sum)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    precision: str, grad_accum: int, in_layout: Callable = lambda f: f):
-    """Build the pure step; `in_layout` wraps tracing in the parallel layout's context."""
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, t: TrainConfig,
+                    layout, param_specs):
+    """Build the pure step for one layout (a jaxpar.parallel.Layout)."""
 
-    def loss_fn(params, tokens_BT):
-        return token_loss(graphdef, params, tokens_BT, precision)
+    def local_grads(params, tokens_BT, scale):
+        def scaled_loss(p, tokens):
+            return token_loss(graphdef, p, tokens, t.precision, t.remat) * scale
+
+        return accumulated_grads(scaled_loss, params, tokens_BT, t.grad_accum)
 
     def train_step(state: TrainState, tokens_BT: jax.Array):
-        with in_layout():
-            loss, grads = accumulated_grads(loss_fn, state.params, tokens_BT, grad_accum)
+        scale = state.loss_scale.scale
+        loss, grads = layout.gradients(local_grads, state.params, param_specs, tokens_BT, scale)
+        loss, grads = loss / scale, jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        loss_scale = state.loss_scale
+        if t.precision == "fp16":  # skip the update (bit-identical state) when any gradient overflowed
+            finite = all_finite(grads)
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
+            loss_scale = loss_scale.update(finite, t.loss_scale_window)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
+                   "loss_scale": state.loss_scale.scale, "skipped_steps": loss_scale.skipped_steps}
+        return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 
     return train_step
 
 
-def make_eval_step(graphdef, precision: str, in_layout: Callable):
-    """Build `(params, batch) -> loss` for validation."""
+def make_eval_step(graphdef, precision: str, layout):
+    """Build `(params, batch) -> loss` for validation (traced outside shard_map)."""
 
     def eval_step(params, tokens_BT):
-        with in_layout():
+        with layout_hooks(layout.auto_hooks()):
             return token_loss(graphdef, params, tokens_BT, precision)
 
     return eval_step

@@ -9,9 +9,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import Config
-from jaxpar.model import Transformer, activation_sharding
-from jaxpar.parallel import activation_resolver, batch_sharding, tree_shardings
+from jaxpar.model import Transformer
+from jaxpar.parallel import Layout
 from jaxpar.train.optim import lr_schedule, make_optimizer
+from jaxpar.train.precision import LossScale
 from jaxpar.train.step import TrainState, make_eval_step, make_train_step
 
 
@@ -19,29 +20,29 @@ class Trainer:
     """Builds the jitted, sharded pieces of training for one config on one mesh.
 
     The state is never materialized unsharded: its shapes come from `eval_shape`, its
-    shardings from the rules table, and `init` runs under `jit(out_shardings=...)`.
+    shardings from the layout (rules table + ZeRO stage), and `init` runs under
+    `jit(out_shardings=...)`.
     """
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
         self.cfg, self.mesh = cfg, mesh
+        self.layout = Layout(mesh, zero=cfg.parallel.zero)
         abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
         self.graphdef, abstract_params = nnx.split(abstract_model)
         self.tx = make_optimizer(cfg.train)
         self.schedule = lr_schedule(cfg.train)
         abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
         self.replicated = NamedSharding(mesh, PartitionSpec())
+        param_specs = self.layout.param_specs(abstract_params)
         self.state_shardings = TrainState(
-            self.replicated, tree_shardings(abstract_params, mesh), tree_shardings(abstract_opt, mesh))
-        self.batch_sharding = batch_sharding(mesh)
+            self.replicated, self.layout.named(param_specs), self.layout.named(self.layout.opt_specs(abstract_opt)),
+            LossScale(self.replicated, self.replicated, self.replicated))
+        self.batch_sharding = self.layout.batch_sharding()
 
-        def in_layout():
-            return activation_sharding(activation_resolver(mesh))
-
-        train_step = make_train_step(self.graphdef, self.tx, self.schedule, cfg.train.precision,
-                                     cfg.train.grad_accum, in_layout)
+        train_step = make_train_step(self.graphdef, self.tx, self.schedule, cfg.train, self.layout, param_specs)
         self.step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                             out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
-        self.eval_loss = jax.jit(make_eval_step(self.graphdef, cfg.train.precision, in_layout),
+        self.eval_loss = jax.jit(make_eval_step(self.graphdef, cfg.train.precision, self.layout),
                                  in_shardings=(self.state_shardings.params, self.batch_sharding),
                                  out_shardings=self.replicated)
 
@@ -51,7 +52,8 @@ class Trainer:
 
         def create():
             params = nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
-            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+            return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params),
+                              LossScale.initial(cfg.train.precision))
 
         return jax.jit(create, out_shardings=self.state_shardings)()
 

@@ -14,7 +14,7 @@ from jaxpar.session import Session
 from jaxpar.train.trainer import Trainer
 
 # (loss, parameters) maximum relative errors accepted, by compute precision.
-TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (5e-3, 1e-2)}
+TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (5e-3, 1e-2), "fp16": (5e-3, 1e-2)}
 DEFAULT_STEPS = 3
 
 
@@ -22,16 +22,23 @@ def layout_name(session: Session) -> str:
     """A short description such as 'data=4 tensor=2 grad_accum=2 bf16'."""
     t = session.cfg.train
     parts = [f"{axis}={size}" for axis, size in session.mesh_sizes.items() if size > 1]
+    if session.cfg.parallel.zero:
+        parts.append(f"zero={session.cfg.parallel.zero}")
     if t.grad_accum > 1:
         parts.append(f"grad_accum={t.grad_accum}")
+    if t.remat != "none":
+        parts.append(f"remat={t.remat}")
+    if t.optimizer != "adamw":
+        parts.append(t.optimizer)
     parts.append(t.precision)
     return " ".join(parts)
 
 
 def reference_config(cfg):
-    """The single-device, fp32, no-accumulation version of a config."""
+    """The single-device, fp32, ZeRO-0, no-remat, no-accumulation version of a config."""
     return cfg.replace(**{"mesh.data": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.stage": 1,
-                          "train.grad_accum": 1, "train.precision": "fp32"})
+                          "train.grad_accum": 1, "train.precision": "fp32", "train.remat": "none",
+                          "parallel.zero": 0})
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:

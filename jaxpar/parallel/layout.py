@@ -1,0 +1,236 @@
+"""A parallel layout: mesh + rules table + ZeRO stage.
+
+It gives the shardings of every part of the training state and computes gradients with
+one mechanism for every ZeRO stage: the loss is differentiated per data-parallel shard
+inside `jax.shard_map` (manual over the data-parallel axes, automatic over `tensor` and
+the rest), then each gradient is reduced with `psum` (replicated result, stages 0-1) or
+`psum_scatter` (a true reduce-scatter, stages 2-3). Under stage 3 a parameter arrives as
+its local shard and is all-gathered where it is used: per layer inside the layer scan, so
+about one layer's full weights exist at a time; autodiff turns that gather into the
+reduce-scatter of its gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.model import layout_hooks
+from jaxpar.parallel.rules import RULES, logical_to_spec
+from jaxpar.parallel.zero import DATA_PARALLEL_AXES, manual_part, without_axes, zero_dim, zero_spec
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _names(variable: nnx.Variable, ndim: int) -> tuple:
+    names = tuple(variable.get_metadata().get("out_sharding") or ())
+    return names if len(names) == ndim else (None,) * ndim
+
+
+class Layout:
+    """Shardings and in-step hooks for one mesh, rules table and ZeRO stage."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, zero: int = 0, rules: dict = RULES):
+        self.mesh, self.zero, self.rules = mesh, zero, rules
+        self.sizes = dict(mesh.shape)
+        self.manual = tuple(a for a in DATA_PARALLEL_AXES if a in self.sizes)
+        self.batch_ways = math.prod(self.sizes[a] for a in self.manual)
+        # ZeRO-2/3 expand each layer's weights from a shard; redo that in backward, never keep it.
+        self.layer_weights_policy = _keep_all_but_expanded_weights if zero >= 2 else None
+
+    # ---- partition specs -------------------------------------------------------------
+    def spec(self, names: tuple, shape: tuple, zero: bool) -> PartitionSpec:
+        """The rules-table spec of a leaf, with ZeRO sharding added when `zero`."""
+        spec = logical_to_spec(names, self.rules)
+        return zero_spec(spec, shape, names, self.sizes) if zero else spec
+
+    def _specs(self, tree, zero: bool):
+        def one(x):
+            if _is_var(x):
+                shape = x.get_value().shape
+                return x.replace(self.spec(_names(x, len(shape)), shape, zero))
+            return self.spec((None,) * len(x.shape), x.shape, zero) if getattr(x, "ndim", 0) else PartitionSpec()
+
+        return jax.tree.map(one, tree, is_leaf=_is_var)
+
+    def param_specs(self, params):
+        """Parameters: sharded over data-parallel devices only under ZeRO-3."""
+        return self._specs(params, self.zero >= 3)
+
+    def grad_specs(self, params):
+        """Gradients after reduction: reduce-scattered under ZeRO-2 and 3."""
+        return self._specs(params, self.zero >= 2)
+
+    def opt_specs(self, opt_state):
+        """Optimizer state: sharded over data-parallel devices from ZeRO-1 on."""
+        return self._specs(opt_state, self.zero >= 1)
+
+    def named(self, specs):
+        """PartitionSpecs -> NamedShardings on this mesh."""
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    def batch_sharding(self) -> NamedSharding:
+        """Sharding of a (batch, seq) token array."""
+        return NamedSharding(self.mesh, logical_to_spec(("batch", "seq"), self.rules))
+
+    # ---- hooks used by the model while tracing (see jaxpar.model.axes) ----------------
+    def auto_hooks(self):
+        """Hooks for code traced outside shard_map (evaluation): plain sharding constraints."""
+        return _AutoHooks(self)
+
+    def constrain(self, x: jax.Array, names: tuple) -> jax.Array:
+        """Inside shard_map: constrain the automatic axes only."""
+        return jax.lax.with_sharding_constraint(x, without_axes(logical_to_spec(names, self.rules), self.manual))
+
+    def model_weights(self, state):
+        """Inside shard_map, ZeRO-2/3: the full non-stacked weights (embedding, final norm)."""
+        if self.zero < 2:
+            return state
+        return jax.tree_util.tree_map_with_path(
+            lambda p, v: v if _is_stacked(v) else self._expand(v, _path_key(p), None), state, is_leaf=_is_var)
+
+    def layer_weights(self, layer_state, index: jax.Array):
+        """Inside shard_map, ZeRO-2/3: one layer's full weights, from its gradient shard."""
+        if self.zero < 2:
+            return layer_state
+
+        def expand(path, variable):
+            key = _path_key(path)
+            matches = [full for full in self._stacked if full[-len(key):] == key]
+            return self._expand(variable, matches[0], index) if matches else variable
+
+        return jax.tree_util.tree_map_with_path(expand, layer_state, is_leaf=_is_var)
+
+    def _expand(self, variable: nnx.Variable, path: tuple, layer: jax.Array | None):
+        """Shard -> full weight whose gradient is reduce-scattered back onto the shard.
+
+        ZeRO-3 all-gathers the shard (autodiff transposes that into a reduce-scatter).
+        ZeRO-2 holds the full weight already (replicated): it is looked up, and a custom
+        VJP gives the shard the reduce-scattered gradient, layer by layer during backward.
+        """
+        found = self._zero_dims[path]
+        if found is None:
+            return variable
+        d, axes = found
+        shard = variable.get_value()
+        if layer is not None:
+            d -= 1  # a layer's slice of a stacked weight has no 'layers' dimension
+        if self.zero >= 3:
+            return variable.replace(jax.lax.all_gather(shard, axes, axis=d, tiled=True))
+        full = self._replicas[path]
+        full = full if layer is None else jax.lax.dynamic_index_in_dim(full, layer, keepdims=False)
+        return variable.replace(_replica_with_scattered_grad(shard, full.astype(shard.dtype), d, axes))
+
+    def _zero_shards(self, params):
+        """This device's ZeRO slice of each (replicated) weight: a local slice, no communication."""
+        def one(path, v):
+            found = self._zero_dims[_path_key(path)]
+            if found is None:
+                return v
+            d, axes = found
+            value = v.get_value()
+            size = value.shape[d] // math.prod(self.sizes[a] for a in axes)
+            start = jax.lax.axis_index(axes) * size
+            return v.replace(jax.lax.dynamic_slice_in_dim(value, start, size, axis=d))
+
+        return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_var)
+
+    # ---- gradients -------------------------------------------------------------------
+    def gradients(self, grad_fn, params, param_specs, batch, *args):
+        """(loss, grads) of the global batch mean; grad_fn(params, local_batch, *args) -> (loss, grads).
+
+        Gradients come back summed over the data-parallel axes, divided by their size (the
+        mean over equal shards), in the `grad_specs` layout.
+        """
+        is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+        grad_specs = self.grad_specs(params)
+        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]
+        # Tracing-time tables for the hooks: each weight's ZeRO dimension, and which are stacked.
+        self._zero_dims = {}
+        for path, v in flat:
+            shape = v.get_value().shape
+            names = _names(v, len(shape))
+            self._zero_dims[_path_key(path)] = zero_dim(logical_to_spec(names, self.rules), shape, names, self.sizes)
+        self._stacked = [_path_key(p) for p, v in flat if _is_stacked(v)]
+
+        def per_shard(params, batch, *args):
+            target = params
+            if self.zero == 2:  # differentiate w.r.t. local shards; the hooks look the full weights up
+                self._replicas = {_path_key(p): v.get_value()
+                                  for p, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]}
+                target = self._zero_shards(params)
+            with layout_hooks(self):
+                loss, grads = grad_fn(target, batch, *args)
+            loss = jax.lax.psum(loss, self.manual) / self.batch_ways
+            grads = jax.tree.map(lambda g, s: self._reduce(g, s) / self.batch_ways, grads, grad_specs, is_leaf=is_spec)
+            return loss, grads
+
+        manual_in = jax.tree.map(lambda s: manual_part(s, self.manual), param_specs, is_leaf=is_spec)
+        manual_out = jax.tree.map(lambda s: manual_part(s, self.manual), grad_specs, is_leaf=is_spec)
+        fn = jax.shard_map(per_shard, mesh=self.mesh, axis_names=set(self.manual), check_vma=False,
+                           in_specs=(manual_in, PartitionSpec(self.manual)) + (PartitionSpec(),) * len(args),
+                           out_specs=(PartitionSpec(), manual_out))
+        return fn(params, batch, *args)
+
+    def _reduce(self, grad: jax.Array, spec: PartitionSpec) -> jax.Array:
+        """Sum a local gradient over the data-parallel axes (ZeRO-sharded ones are already summed)."""
+        if any(e is not None for e in manual_part(spec, self.manual)):
+            return grad  # reduce-scattered in backward by the ZeRO-2/3 weight expansion
+        return jax.lax.psum(grad, self.manual)
+
+
+# Primitives that expand a weight shard to the full weight (ZeRO-3 gathers, ZeRO-2 slices its replica).
+_EXPANDING_PRIMITIVES = frozenset({"all_gather", "dynamic_slice", "squeeze"})
+
+
+def _keep_all_but_expanded_weights(primitive, *_, **__) -> bool:
+    """Checkpoint policy: keep every intermediate for backward except expanded layer weights."""
+    return primitive.name not in _EXPANDING_PRIMITIVES
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _replica_with_scattered_grad(shard, full, dim, axes):
+    """Forward: the full (replicated) weight. Backward: its gradient reduce-scattered onto `shard`."""
+    return full
+
+
+def _replica_fwd(shard, full, dim, axes):
+    return full, None
+
+
+def _replica_bwd(dim, axes, _, grad):
+    return jax.lax.psum_scatter(grad, axes, scatter_dimension=dim, tiled=True), None
+
+
+_replica_with_scattered_grad.defvjp(_replica_fwd, _replica_bwd)
+
+
+def _path_key(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def _is_stacked(variable: nnx.Variable) -> bool:
+    names = variable.get_metadata().get("out_sharding") or ()
+    return bool(names) and names[0] == "layers"
+
+
+class _AutoHooks:
+    def __init__(self, layout: Layout):
+        self.layout = layout
+
+    def constrain(self, x, names):
+        spec = logical_to_spec(names, self.layout.rules)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.layout.mesh, spec))
+
+    def model_weights(self, state):
+        return state
+
+    def layer_weights(self, layer_state, index):
+        return layer_state

@@ -1,0 +1,69 @@
+"""ZeRO as a change of partition specs: shard a state leaf over the data-parallel axes.
+
+Stage 1 applies it to optimizer state, stage 2 also to gradients, stage 3 also to
+parameters. The same function serves every optax optimizer, because optimizer-state
+shardings are derived leaf by leaf from `jax.eval_shape(tx.init, params)`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax.sharding import PartitionSpec
+
+# The axes the batch is split over: every device along them holds a different slice of data.
+DATA_PARALLEL_AXES = ("data", "expert")
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def zero_dim(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_sizes: dict[str, int]):
+    """(dimension, axes) to shard over for ZeRO, or None when no dimension can take it.
+
+    The axes are the data-parallel axes of size > 1 that the spec does not use yet; the
+    dimension is the one with the largest local size that they divide, never 'layers' (so a
+    layer's slice of a stacked weight stays spread over all devices).
+    """
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    used = {a for e in entries for a in _axes_of(e)}
+    axes = tuple(a for a in DATA_PARALLEL_AXES if a not in used and mesh_sizes.get(a, 1) > 1)
+    if not axes:
+        return None
+    ways = math.prod(mesh_sizes[a] for a in axes)
+    local = [shape[d] // math.prod(mesh_sizes[a] for a in _axes_of(entries[d])) for d in range(len(shape))]
+    for d in sorted(range(len(shape)), key=lambda d: -local[d]):
+        if (d >= len(names) or names[d] != "layers") and local[d] % ways == 0:
+            return d, axes
+    return None
+
+
+def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_sizes: dict[str, int]) -> PartitionSpec:
+    """The spec with the data-parallel axes added on the dimension `zero_dim` picks."""
+    found = zero_dim(spec, shape, names, mesh_sizes)
+    if found is None:
+        return spec
+    d, axes = found
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    merged = _axes_of(entries[d]) + axes
+    entries[d] = merged[0] if len(merged) == 1 else merged
+    return PartitionSpec(*entries)
+
+
+def _filter(spec: PartitionSpec, keep) -> PartitionSpec:
+    out = []
+    for entry in spec:
+        kept = tuple(a for a in _axes_of(entry) if keep(a))
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)
+
+
+def manual_part(spec: PartitionSpec, manual: tuple[str, ...]) -> PartitionSpec:
+    """Only the manual (shard_map) axes of a spec; automatic axes are left to the compiler."""
+    return _filter(spec, lambda a: a in manual)
+
+
+def without_axes(spec: PartitionSpec, drop: tuple[str, ...]) -> PartitionSpec:
+    """The spec with the given mesh axes removed (for constraints inside shard_map)."""
+    return _filter(spec, lambda a: a not in drop)

@@ -1,0 +1,68 @@
+"""What one device holds and moves per training step, read from the compiled program.
+
+`memory_analysis()` gives argument/output/temporary bytes per device; the state's own
+shardings split the arguments into parameters and optimizer state; the gradient layout
+gives the gradient bytes a device holds after reduction; `cost_analysis()` gives FLOPs;
+the HLO text gives the collectives.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jaxpar.plan.collectives import bytes_by_op, collectives
+
+
+def _device_bytes(abstract_tree, shardings) -> int:
+    """Bytes of one device's shards of every leaf (first device of the mesh)."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings)):
+        total += math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    return total
+
+
+def measure_step(trainer) -> dict:
+    """Per-device memory by category, FLOPs and collective bytes of one compiled train step."""
+    compiled = trainer.compile_step()
+    stats = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    state = jax.eval_shape(trainer.init)
+    shardings = trainer.state_shardings
+    grad_shardings = trainer.layout.named(trainer.layout.grad_specs(state.params))
+    found = collectives(compiled.as_text(), trainer.layout.sizes)
+    return {
+        "argument_bytes": int(stats.argument_size_in_bytes),
+        "output_bytes": int(stats.output_size_in_bytes),
+        "alias_bytes": int(stats.alias_size_in_bytes),
+        "temp_bytes": int(stats.temp_size_in_bytes),
+        "params_bytes": _device_bytes(state.params, shardings.params),
+        "opt_state_bytes": _device_bytes(state.opt_state, shardings.opt_state),
+        "grads_bytes": _device_bytes(state.params, grad_shardings),
+        "flops": float(cost.get("flops", 0.0)),
+        "collectives": bytes_by_op(found),
+        "collective_ops": [
+            {"op": c.op, "mesh_axes": list(c.mesh_axes), "bytes": c.bytes, "count": c.count} for c in found],
+    }
+
+
+def format_report(plan: dict) -> str:
+    """A per-device table of memory by category and of collectives, for the terminal."""
+    mib = 2 ** 20
+    rows = [("parameters", plan["params_bytes"]), ("optimizer state", plan["opt_state_bytes"]),
+            ("gradients (after reduction)", plan["grads_bytes"]), ("temporaries / activations", plan["temp_bytes"]),
+            ("arguments (state + batch)", plan["argument_bytes"]), ("outputs", plan["output_bytes"]),
+            ("total (arguments + temporaries)", plan["argument_bytes"] + plan["temp_bytes"])]
+    lines = ["per device                        bytes          MiB"]
+    lines += [f"{name:<30}{value:>12,d}{value / mib:>12.2f}" for name, value in rows]
+    lines.append(f"{'FLOPs per step':<30}{plan['flops']:>12.4g}")
+    lines.append("")
+    lines.append("collective            mesh axes        count   bytes/step")
+    for c in plan["collective_ops"]:
+        axes = ",".join(c["mesh_axes"]) or "-"
+        lines.append(f"{c['op']:<22}{axes:<16}{c['count']:>6d}{c['bytes'] * c['count']:>13,d}")
+    if not plan["collective_ops"]:
+        lines.append("(none)")
+    return "\n".join(lines)

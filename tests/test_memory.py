@@ -1,0 +1,91 @@
+"""ZeRO, Adafactor and remat memory claims, read from the compiled program (deterministic)."""
+
+import pytest
+
+from jaxpar.plan import measure_step
+from jaxpar.train.trainer import Trainer
+
+# An 8.7M-parameter model (P = 34.9 MB fp32) on data=8.
+MODEL_8M = ("model.d_model=256", "model.n_layers=11", "model.n_heads=8", "model.d_ff=1024", "mesh.data=8")
+# Activations dominate: 32 layers, 8 sequences of 256 tokens per device.
+DEEP = ("model.n_layers=32", "model.seq_len=256", "train.batch_size=64", "mesh.data=8")
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """Measure each named layout once per test module."""
+    import os
+
+    from jaxpar.config import load_config
+    from jaxpar.session import prepare
+
+    cache = {}
+
+    def plan(*overrides):
+        if overrides not in cache:
+            session = prepare(load_config(None, [f"run.dir={os.devnull}", *overrides]))
+            cache[overrides] = measure_step(Trainer(session.cfg, session.mesh()))
+        return cache[overrides]
+
+    return plan
+
+
+def test_zero_stages_cut_state_bytes_as_predicted(plans):
+    P = plans(*MODEL_8M)["params_bytes"]
+    assert P >= 8e6 * 4
+    expected = {0: 3 * P, 1: P + 2 * P / 8, 2: P + 2 * P / 8, 3: 3 * P / 8}
+    for stage, want in expected.items():
+        got = plans(*MODEL_8M, f"parallel.zero={stage}")["argument_bytes"]
+        assert abs(got - want) <= 0.05 * want, (stage, got, want)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero2_and_3_reduce_scatter_gradients(plans, stage):
+    plan = plans(*MODEL_8M, f"parallel.zero={stage}")
+    P = plan["params_bytes"] if stage < 3 else plan["params_bytes"] * 8
+    assert plan["collectives"]["reduce-scatter"] >= P / 8 * 0.99
+    # nothing gradient-sized is all-reduced: only scalars (loss, norms) remain
+    assert plan["collectives"]["all-reduce"] < 1024
+    assert plan["grads_bytes"] == pytest.approx(P / 8, rel=0.01)
+
+
+@pytest.mark.parametrize("extra", [(), ("train.remat=full",)],
+                         ids=["remat none", "remat full"])
+def test_zero2_and_3_temporaries_below_zero1(plans, extra):
+    """ZeRO-2/3 hold gradient shards, not whole gradients: temporaries shrink by about P - P/8."""
+    zero1 = plans(*MODEL_8M, *extra, "parallel.zero=1")
+    P = zero1["params_bytes"]
+    for stage in (2, 3):
+        temp = plans(*MODEL_8M, *extra, f"parallel.zero={stage}")["temp_bytes"]
+        assert temp < zero1["temp_bytes"] - 0.8 * (P - P / 8), (stage, temp, zero1["temp_bytes"])
+
+
+def test_adafactor_state_is_a_small_fraction_of_adamw(plans):
+    adamw = plans(*MODEL_8M)["opt_state_bytes"]
+    adafactor = plans(*MODEL_8M, "train.optimizer=adafactor")["opt_state_bytes"]
+    assert adafactor < 0.1 * adamw
+
+
+def test_remat_policies_trade_memory_for_flops(plans):
+    none, full, dots, sqrt = (plans(*DEEP, f"train.remat={r}") for r in ("none", "full", "dots", "sqrt"))
+    assert sqrt["temp_bytes"] <= 0.4 * none["temp_bytes"]
+    assert full["temp_bytes"] <= sqrt["temp_bytes"]
+    assert dots["temp_bytes"] < none["temp_bytes"]
+    for policy in (sqrt, full):
+        assert none["flops"] < policy["flops"] <= 1.4 * none["flops"]
+
+
+def test_plan_cli_prints_table_and_json(capsys, tmp_path):
+    import json
+
+    from jaxpar.cli import main
+
+    assert main(["plan", "mesh.data=4", "mesh.tensor=2", "parallel.zero=1", f"run.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    for key in ("argument_bytes", "output_bytes", "temp_bytes", "params_bytes", "opt_state_bytes", "flops"):
+        assert result[key] > 0
+    assert set(result["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                                          "collective-permute"}
+    assert any(line.startswith("optimizer state") for line in out)
+    assert not (tmp_path / "metrics.jsonl").exists(), "plan compiles only; it trains nothing"
