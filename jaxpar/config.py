@@ -67,13 +67,34 @@ class TrainConfig:
     optimizer: Literal["adamw", "adafactor"] = "adamw"
     remat: Literal["none", "full", "dots", "sqrt"] = "none"
     loss_scale_window: int = 2000
+    lr_schedule_steps: int = 0  # horizon of the warmup+cosine schedule; 0 means train.steps
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism over mesh.stage: schedule, microbatches per step, virtual stages per device."""
+
+    schedule: Literal["gpipe", "1f1b", "interleaved", "2bw"] = "1f1b"
+    microbatches: int = 4
+    virtual: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """How state is partitioned beyond the mesh axes: ZeRO stage over the data-parallel devices."""
+    """How work and state are partitioned beyond plain data/tensor parallelism."""
 
     zero: int = 0
+    pipeline: PipelineConfig = PipelineConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under <run.dir>/checkpoints: every N steps (0 = off), keep the newest K."""
+
+    every: int = 0
+    keep: int = 3
+    async_: bool = dataclasses.field(default=True, metadata={"key": "async"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +122,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
 
     def replace(self, **sections) -> "Config":
@@ -108,8 +130,13 @@ class Config:
         return apply_overrides(self, sections)
 
     def to_dict(self) -> dict:
-        """Plain nested dict, for JSON summaries and checkpoints."""
-        return dataclasses.asdict(self)
+        """Plain nested dict keyed by config keys, for JSON summaries and checkpoints."""
+        return _as_dict(self)
+
+
+def _as_dict(obj) -> dict:
+    return {f.metadata.get("key", f.name): _as_dict(v) if dataclasses.is_dataclass(v := getattr(obj, f.name)) else v
+            for f in dataclasses.fields(obj)}
 
 
 MESH_AXES = ("data", "tensor", "expert", "stage")
@@ -117,9 +144,15 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def _fields(cls) -> dict[str, type]:
-    """Field name -> resolved type annotation, in declaration order."""
+    """Config key -> resolved type annotation, in declaration order (a field may name its key,
+    e.g. `async_` is the key `async`)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return {f.metadata.get("key", f.name): hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _field_name(cls, key: str) -> str:
+    """The dataclass field behind a config key."""
+    return next(f.name for f in dataclasses.fields(cls) if f.metadata.get("key", f.name) == key)
 
 
 def _leaf_types(cls, prefix: str = "") -> dict[str, type]:
@@ -200,9 +233,10 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 
 
 def _set_path(obj, parts: list[str], value):
+    name = _field_name(type(obj), parts[0])
     if len(parts) == 1:
-        return dataclasses.replace(obj, **{parts[0]: value})
-    return dataclasses.replace(obj, **{parts[0]: _set_path(getattr(obj, parts[0]), parts[1:], value)})
+        return dataclasses.replace(obj, **{name: value})
+    return dataclasses.replace(obj, **{name: _set_path(getattr(obj, name), parts[1:], value)})
 
 
 def apply_overrides(cfg: Config, overrides: dict) -> Config:
@@ -319,6 +353,10 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
             f" = {sizes['data']} x {sizes['expert']} x {t.grad_accum}.")
     if cfg.parallel.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {cfg.parallel.zero}.")
+    if t.lr_schedule_steps < 0:
+        raise ConfigError(f"train.lr_schedule_steps must be 0 (follow train.steps) or positive, got {t.lr_schedule_steps}.")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep <= 0:
+        raise ConfigError("checkpoint.every must be 0 (off) or positive, and checkpoint.keep positive.")
     if t.loss_scale_window <= 0:
         raise ConfigError(f"train.loss_scale_window must be positive, got {t.loss_scale_window}.")
     if not 0 < cfg.data.val_fraction < 1:

@@ -34,7 +34,7 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-@pytest.mark.parametrize("command", ["train", "verify"])
+@pytest.mark.parametrize("command", ["train", "verify", "plan"])
 def test_bad_input_exits_2_with_one_sentence(case, command, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "short.txt").write_text("just a few words of text")

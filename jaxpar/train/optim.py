@@ -10,10 +10,12 @@ from jaxpar.config import TrainConfig
 
 
 def lr_schedule(t: TrainConfig) -> optax.Schedule:
-    """Linear warmup to train.lr, then cosine decay to a tenth of it at train.steps."""
-    warmup = min(t.warmup, t.steps)
+    """Linear warmup to train.lr, then cosine decay to a tenth of it at train.lr_schedule_steps
+    (train.steps when 0), so a run cut into several jobs keeps one trajectory."""
+    horizon = t.lr_schedule_steps or t.steps
+    warmup = min(t.warmup, horizon)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=warmup, decay_steps=max(t.steps, warmup + 1),
+        init_value=0.0, peak_value=t.lr, warmup_steps=warmup, decay_steps=max(horizon, warmup + 1),
         end_value=t.lr * 0.1)
 
 

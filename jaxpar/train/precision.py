@@ -48,6 +48,10 @@ class LossScale:
         scale = jnp.where(finite, jnp.where(grow, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0))
         return LossScale(scale, jnp.where(grow, 0, good), self.skipped_steps + (~finite).astype(jnp.int32))
 
+    def count_skip(self, finite: jax.Array) -> "LossScale":
+        """Count a skipped step without touching the (constant) scale: fp32/bf16 with on_nonfinite=skip."""
+        return LossScale(self.scale, self.good_steps, self.skipped_steps + (~finite).astype(jnp.int32))
+
 
 def all_finite(tree) -> jax.Array:
     """True when every element of every leaf is finite."""

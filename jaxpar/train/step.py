@@ -75,11 +75,13 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss_scale = state.loss_scale
-        if t.precision == "fp16":  # skip the update (bit-identical state) when any gradient overflowed
+        if t.precision == "fp16" or t.on_nonfinite == "skip":
+            # skip the update (state bit-identical) when any gradient is not finite
             finite = all_finite(grads)
             params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                              (params, opt_state), (state.params, state.opt_state))
-            loss_scale = loss_scale.update(finite, t.loss_scale_window)
+            loss_scale = (loss_scale.update(finite, t.loss_scale_window) if t.precision == "fp16"
+                          else loss_scale.count_skip(finite))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
                    "loss_scale": state.loss_scale.scale, "skipped_steps": loss_scale.skipped_steps}
         return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
