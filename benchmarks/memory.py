@@ -12,7 +12,8 @@ shardings, and the collectives in the HLO text). Two tables are printed as markd
      (`key=value` overrides apply to this model);
   B. temporary MiB against the number of layers L in {4, 8, 16, 32} for each remat policy
      {none, full, dots, sqrt} (seq 256, global batch 64, data=8), and the FLOPs of each policy
-     relative to none at L=32.
+     relative to none at L=32. FLOPs are XLA's `cost_analysis()` figures; the per-L FLOPs of
+     remat=none are printed under the table so their growth with L can be checked.
 It writes both as a two-panel figure to benchmarks/results/memory.png; the last line printed
 is one JSON object with every number. On a CPU-only host 8 devices are emulated.
 """
@@ -103,6 +104,8 @@ def markdown_b(remat: dict) -> str:
         cells += [f"{remat[policy][top]['temp_bytes'] / base['temp_bytes']:.3f}",
                   f"{remat[policy][top]['flops'] / base['flops']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    per_l = ", ".join(f"L={n}: {remat['none'][n]['flops']:.4g}" for n in LAYERS)
+    lines.append(f"\nFLOPs per step (XLA cost_analysis), remat=none: {per_l}")
     return "\n".join(lines)
 
 
@@ -125,7 +128,7 @@ def plot(rows: list[dict], remat: dict, path: Path) -> None:
              label="gradients (after reduction)")
     left.set_xticks(list(xs), [f"zero {r['zero']}\n{r['optimizer']}" for r in rows], fontsize=8)
     left.set_ylabel("MiB per device")
-    left.set_title("Per-device memory by category (8.7M params, data=8)")
+    left.set_title(f"Per-device memory by category (fp32 params P = {rows[0]['params_bytes'] / MIB:.1f} MiB)")
     left.legend(fontsize=8)
     for policy, marker in zip(POLICIES, "osD^"):
         right.plot(LAYERS, [remat[policy][n]["temp_bytes"] / MIB for n in LAYERS], marker=marker, label=policy)

@@ -50,14 +50,20 @@ class Transformer(nnx.Module):
         self.head = None if cfg.tie_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), D ** -0.5)
 
     def __call__(self, tokens_BL: jax.Array, remat: str = "none") -> jax.Array:
-        table_VD = self.embedding[...]
-        x_BLD = constrain(jnp.take(table_VD, tokens_BL, axis=0), ("batch", "seq", "embed"))
+        return self.logits(self.run_blocks(self.embed(tokens_BL), remat))
+
+    def embed(self, tokens_BL: jax.Array) -> jax.Array:
+        """Token (and learned position) embedding: (B, L) ints -> (B, L, D)."""
+        x_BLD = constrain(jnp.take(self.embedding[...], tokens_BL, axis=0), ("batch", "seq", "embed"))
         if self.pos_embedding is not None:
             x_BLD = x_BLD + self.pos_embedding[...][: tokens_BL.shape[1]][None]
-        x_BLD = self.run_blocks(x_BLD, remat)
+        return x_BLD
+
+    def logits(self, x_BLD: jax.Array) -> jax.Array:
+        """Final norm and output projection (tied to the embedding unless untied): -> (B, L, V)."""
         x_BLD = self.final_norm(x_BLD)
         if self.head is None:
-            logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, table_VD)
+            logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, self.embedding[...])
         else:
             logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.head[...])
         return constrain(logits_BLV, ("batch", "seq", "vocab"))

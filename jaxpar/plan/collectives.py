@@ -13,15 +13,9 @@ import re
 
 import numpy as np
 
+from jaxpar.plan.hlo import Module, array_shapes, nbytes, parse
+
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s8": 1,
-                "u8": 1, "pred": 1, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
-_OP_LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(COLLECTIVE_OPS)
-                      + r")(?:-start)?\((?P<rest>.*)$")
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>\S+)\s.*\{\s*$")
-_WHILE_BODY = re.compile(r"\bwhile\(.*?body=%(?P<body>[^\s,]+)")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +34,6 @@ class Collective:
     def total_bytes(self) -> int:
         """Payload bytes moved per step by this op, loops unrolled."""
         return self.bytes * self.count
-
-
-def _payload(shape_text: str) -> tuple[int, tuple[str, ...]]:
-    total, shapes = 0, []
-    for dtype, dims in _ARRAY.findall(shape_text):
-        if dtype not in _DTYPE_BYTES:
-            continue
-        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        total += n * _DTYPE_BYTES[dtype]
-        shapes.append(f"{dtype}[{dims}]")
-    return total, tuple(shapes)
 
 
 def _first_group(rest: str, n_devices: int) -> list[int] | None:
@@ -82,33 +65,22 @@ def _axes_spanned(group: list[int], mesh_shape: dict[str, int]) -> tuple[str, ..
     return tuple(n for i, n in enumerate(names) if len(set(coords[:, i])) > 1)
 
 
-def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
-    """All collectives in `compiled.as_text()`, for a mesh of axis sizes `mesh_shape` (in order)."""
+def collectives(hlo: str | Module, mesh_shape: dict[str, int]) -> list[Collective]:
+    """All collectives in `compiled.as_text()` (or its parsed Module), for a mesh of axis sizes
+    `mesh_shape` (in order)."""
+    module = parse(hlo) if isinstance(hlo, str) else hlo
+    loop_bodies = {callee for callee, callers in module.calls.items() if any(t > 1 for _, t in callers)}
     n_devices = math.prod(mesh_shape.values())
-    parent: dict[str, tuple[str, int]] = {}  # loop body -> (computation holding the loop, trip count)
-    ops, computation = [], ""
-    for line in hlo_text.splitlines():
-        if m := _COMPUTATION.match(line):
-            computation = m.group("name")
-        elif m := _WHILE_BODY.search(line):
-            trips = _TRIP_COUNT.search(line)
-            parent[m.group("body")] = (computation, int(trips.group(1)) if trips else 1)
-        elif m := _OP_LINE.match(line):
-            ops.append((computation, m))
-
-    def executions(name: str) -> int:
-        count = 1
-        while name in parent:
-            name, trips = parent[name]
-            count *= trips
-        return count
-
     found = []
-    for computation, m in ops:
-        nbytes, shapes = _payload(m.group("shape"))
-        group = _first_group(m.group("rest"), n_devices)
-        found.append(Collective(m.group("op"), nbytes, shapes, _axes_spanned(group, mesh_shape), computation,
-                                computation in parent, executions(computation)))
+    for name, instructions in module.computations.items():
+        for inst in instructions:
+            op = inst.op.removesuffix("-start")
+            if op not in COLLECTIVE_OPS:
+                continue
+            group = _first_group(inst.rest, n_devices)
+            shapes = tuple(f"{dtype}[{','.join(map(str, dims))}]" for dtype, dims in array_shapes(inst.shape))
+            found.append(Collective(op, nbytes(inst.shape), shapes, _axes_spanned(group, mesh_shape), name,
+                                    name in loop_bodies, module.executions(name)))
     return found
 
 

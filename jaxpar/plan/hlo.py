@@ -1,0 +1,111 @@
+"""A small reader for compiled HLO text: computations, their instructions, and how many times
+each computation runs per step (while-loop trip counts multiplied through the call graph).
+
+XLA's own `cost_analysis()` counts a loop body once, whatever its trip count, so per-step
+figures for scanned layers have to be multiplied out here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>\S+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>\S+)\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z][\w-]*)\((?P<rest>.*)$")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+DTYPE_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "s8": 1,
+               "u8": 1, "pred": 1, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: its name, result shape text, opcode and the rest of the line."""
+
+    name: str
+    shape: str
+    op: str
+    rest: str
+
+
+@dataclasses.dataclass
+class Module:
+    """Parsed HLO: computations by name, the entry's name, and calls between computations."""
+
+    computations: dict[str, list[Instruction]]
+    entry: str
+    calls: dict[str, list[tuple[str, int]]]  # callee -> [(caller, times per caller run)]
+
+    @functools.cached_property
+    def _memo(self) -> dict[str, int]:
+        return {}
+
+    def executions(self, computation: str) -> int:
+        """How many times `computation` runs per execution of the entry computation."""
+        if computation == self.entry:
+            return 1
+        if computation not in self._memo:
+            self._memo[computation] = sum(self.executions(caller) * times
+                                          for caller, times in self.calls.get(computation, []))
+        return self._memo[computation]
+
+
+def array_shapes(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array in a shape (a tuple shape gives several)."""
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d))
+            for dtype, dims in _ARRAY.findall(shape_text) if dtype in DTYPE_BYTES]
+
+
+def nbytes(shape_text: str) -> int:
+    """Total bytes of the arrays in a shape."""
+    return sum(math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims in array_shapes(shape_text))
+
+
+def parse(hlo_text: str) -> Module:
+    """Split HLO text into computations and record who calls whom, and how often."""
+    computations: dict[str, list[Instruction]] = {}
+    calls: dict[str, list[tuple[str, int]]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = m.group("name")
+            computations[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m or current is None:
+            continue
+        inst = Instruction(m.group("name"), m.group("shape"), m.group("op"), m.group("rest"))
+        computations[current].append(inst)
+        trips = _TRIP_COUNT.search(inst.rest)
+        n = int(trips.group(1)) if trips else 1
+        for key, callee in re.findall(r"\b(body|condition|calls|to_apply)=%([^\s,)}]+)", inst.rest):
+            times = n if key == "body" else n + 1 if key == "condition" else 1
+            calls.setdefault(callee, []).append((current, times))
+        if branches := re.search(r"branch_computations=\{([^}]*)\}", inst.rest):
+            for callee in re.findall(r"%([^\s,}]+)", branches.group(1)):
+                calls.setdefault(callee, []).append((current, 1))  # upper bound: every branch counted
+    return Module(computations, entry, calls)
+
+
+def matmul_flops(module: Module) -> float:
+    """2 x output elements x contracted size for every dot, times its executions per step."""
+    total = 0.0
+    for name, instructions in module.computations.items():
+        shapes = {inst.name: inst.shape for inst in instructions}
+        for inst in instructions:
+            if inst.op != "dot":
+                continue
+            lhs = re.match(r"\s*%?([^\s,)]+)", inst.rest)
+            contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.rest)
+            lhs_shapes = array_shapes(shapes.get(lhs.group(1), "")) if lhs else []
+            if not lhs_shapes or not contract:
+                continue
+            lhs_dims = lhs_shapes[0][1]
+            contracted = math.prod(lhs_dims[int(d)] for d in contract.group(1).split(",") if d)
+            out = math.prod(array_shapes(inst.shape)[0][1])
+            total += 2.0 * out * contracted * module.executions(name)
+    return total
