@@ -72,5 +72,6 @@ def test_tied_embedding_gradient_is_reduced_once(session_for):
 @pytest.mark.parametrize("group", ["[4,2]<=[8]", "{{0,1},{2,3},{4,5},{6,7}}", "mesh['a'=4,'b'=2] {'b'}"])
 def test_replica_group_formats_map_to_the_tensor_axis(group):
     line = f"  %all-reduce.1 = f32[8,16]{{1,0}} all-reduce(%x), channel_id=1, replica_groups={group}, to_apply=%add"
-    (found,) = collectives(line, {"data": 4, "tensor": 2})
+    hlo = f"ENTRY %main (x: f32[8,16]) -> f32[8,16] {{\n{line}\n}}"
+    (found,) = collectives(hlo, {"data": 4, "tensor": 2})
     assert found.mesh_axes == ("tensor",) and found.bytes == 8 * 16 * 4 and found.count == 1
