@@ -89,3 +89,11 @@ def test_plan_cli_prints_table_and_json(capsys, tmp_path):
                                           "collective-permute"}
     assert any(line.startswith("optimizer state") for line in out)
     assert not (tmp_path / "metrics.jsonl").exists(), "plan compiles only; it trains nothing"
+
+
+def test_matmul_flops_count_every_layer(plans):
+    """The plan's FLOPs multiply loop bodies by their trip counts: they match the analytic
+    6 x matmul params x tokens + attention (12 x layers x seq x d_model per token)."""
+    D, F, V, L, seq, tokens = 128, 512, 256, 32, 256, 64 * 256 // 8
+    expected = tokens * (6 * ((4 * D * D + 2 * D * F) * L + V * D) + 12 * L * seq * D)
+    assert plans(*DEEP, "train.remat=none")["flops"] == pytest.approx(expected, rel=0.01)
