@@ -323,6 +323,33 @@ def resolve_mesh(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
     return sizes
 
 
+def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
+    p, S, L = cfg.parallel.pipeline, sizes["stage"], cfg.model.n_layers
+    if p.microbatches <= 0 or p.virtual <= 0:
+        raise ConfigError("parallel.pipeline.microbatches and parallel.pipeline.virtual must be positive.")
+    if p.virtual > 1 and p.schedule != "interleaved":
+        raise ConfigError(f"parallel.pipeline.virtual={p.virtual} needs parallel.pipeline.schedule=interleaved.")
+    if S == 1:
+        return
+    v = p.virtual if p.schedule == "interleaved" else 1
+    if L % (S * v):
+        raise ConfigError(f"model.n_layers={L} is not divisible by mesh.stage x virtual stages = {S} x {v}.")
+    if p.schedule in ("1f1b", "2bw", "interleaved") and p.microbatches < S:
+        raise ConfigError(f"the {p.schedule} schedule needs at least as many microbatches as stages, "
+                          f"got parallel.pipeline.microbatches={p.microbatches} < mesh.stage={S}.")
+    if p.schedule == "interleaved" and p.microbatches % S:
+        raise ConfigError(f"interleaved 1F1B needs parallel.pipeline.microbatches={p.microbatches} to be a "
+                          f"multiple of mesh.stage={S}.")
+    if cfg.train.grad_accum > 1:
+        raise ConfigError("with mesh.stage > 1, use parallel.pipeline.microbatches instead of train.grad_accum.")
+    ways = sizes["data"] * sizes["expert"] * p.microbatches
+    if cfg.train.batch_size % ways:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by mesh.data x mesh.expert x "
+                          f"parallel.pipeline.microbatches = {sizes['data']} x {sizes['expert']} x {p.microbatches}.")
+    if cfg.parallel.zero == 2 and v > 1:
+        raise ConfigError("parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3.")
+
+
 def validate(cfg: Config, n_devices: int) -> dict[str, int]:
     """Check every cross-field constraint before anything is compiled; return mesh sizes."""
     sizes = resolve_mesh(cfg.mesh, n_devices)
@@ -339,8 +366,6 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
     for key in ("n_heads", "d_ff", "vocab_size"):
         if getattr(m, key) % tensor:
             raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by mesh.tensor={tensor}.")
-    if sizes["stage"] > 1:
-        raise ConfigError("mesh.stage > 1 needs pipeline parallelism, which this version does not have yet.")
     for key in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key} must be positive, got {getattr(t, key)}.")
@@ -351,6 +376,7 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by mesh.data x mesh.expert x train.grad_accum"
             f" = {sizes['data']} x {sizes['expert']} x {t.grad_accum}.")
+    _validate_pipeline(cfg, sizes)
     if cfg.parallel.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {cfg.parallel.zero}.")
     if t.lr_schedule_steps < 0:

@@ -16,6 +16,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -39,8 +40,11 @@ class Layout:
     def __init__(self, mesh: jax.sharding.Mesh, zero: int = 0, rules: dict = RULES):
         self.mesh, self.zero, self.rules = mesh, zero, rules
         self.sizes = dict(mesh.shape)
-        self.manual = tuple(a for a in DATA_PARALLEL_AXES if a in self.sizes)
-        self.batch_ways = math.prod(self.sizes[a] for a in self.manual)
+        self.data_axes = tuple(a for a in DATA_PARALLEL_AXES if a in self.sizes)
+        self.pipelined = self.sizes.get("stage", 1) > 1
+        # shard_map is manual over the batch axes, and over `stage` when pipelining.
+        self.manual = self.data_axes + (("stage",) if self.pipelined else ())
+        self.batch_ways = math.prod(self.sizes[a] for a in self.data_axes)
         # ZeRO-2/3 expand each layer's weights from a shard; redo that in backward, never keep it.
         self.layer_weights_policy = _keep_all_but_expanded_weights if zero >= 2 else None
 
@@ -87,7 +91,8 @@ class Layout:
 
     def constrain(self, x: jax.Array, names: tuple) -> jax.Array:
         """Inside shard_map: constrain the automatic axes only."""
-        return jax.lax.with_sharding_constraint(x, without_axes(logical_to_spec(names, self.rules), self.manual))
+        spec = without_axes(logical_to_spec(names, self.rules), self.manual)
+        return jax.lax.with_sharding_constraint(x, spec)
 
     def model_weights(self, state):
         """Inside shard_map, ZeRO-2/3: the full non-stacked weights (embedding, final norm)."""
@@ -123,7 +128,10 @@ class Layout:
         if layer is not None:
             d -= 1  # a layer's slice of a stacked weight has no 'layers' dimension
         if self.zero >= 3:
-            return variable.replace(jax.lax.all_gather(shard, axes, axis=d, tiled=True))
+            # Gathered in fp32 so the gradient's reduce-scatter also runs in fp32 (XLA:CPU aborts
+            # on a bf16 reduce-scatter here, and fp32 gradient sums are what mixed precision wants).
+            full = jax.lax.all_gather(shard.astype(jnp.float32), axes, axis=d, tiled=True)
+            return variable.replace(full.astype(shard.dtype))
         full = self._replicas[path]
         full = full if layer is None else jax.lax.dynamic_index_in_dim(full, layer, keepdims=False)
         return variable.replace(_replica_with_scattered_grad(shard, full.astype(shard.dtype), d, axes))
@@ -137,7 +145,7 @@ class Layout:
             d, axes = found
             value = v.get_value()
             size = value.shape[d] // math.prod(self.sizes[a] for a in axes)
-            start = jax.lax.axis_index(axes) * size
+            start = jax.lax.axis_index(axes) * size  # axes are data-parallel axes only
             return v.replace(jax.lax.dynamic_slice_in_dim(value, start, size, axis=d))
 
         return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_var)
@@ -160,6 +168,8 @@ class Layout:
             self._zero_dims[_path_key(path)] = zero_dim(logical_to_spec(names, self.rules), shape, names, self.sizes)
         self._stacked = [_path_key(p) for p, v in flat if _is_stacked(v)]
 
+        stacked = self.stacked_mask(params)
+
         def per_shard(params, batch, *args):
             target = params
             if self.zero == 2:  # differentiate w.r.t. local shards; the hooks look the full weights up
@@ -168,22 +178,30 @@ class Layout:
                 target = self._zero_shards(params)
             with layout_hooks(self):
                 loss, grads = grad_fn(target, batch, *args)
-            loss = jax.lax.psum(loss, self.manual) / self.batch_ways
-            grads = jax.tree.map(lambda g, s: self._reduce(g, s) / self.batch_ways, grads, grad_specs, is_leaf=is_spec)
+            loss = jax.lax.psum(loss, self.manual) / self.batch_ways  # (only the last stage's is nonzero)
+            grads = jax.tree.map(lambda g, s, st: self._reduce(g, s, st) / self.batch_ways, grads, grad_specs, stacked,
+                                 is_leaf=is_spec)
             return loss, grads
 
         manual_in = jax.tree.map(lambda s: manual_part(s, self.manual), param_specs, is_leaf=is_spec)
         manual_out = jax.tree.map(lambda s: manual_part(s, self.manual), grad_specs, is_leaf=is_spec)
         fn = jax.shard_map(per_shard, mesh=self.mesh, axis_names=set(self.manual), check_vma=False,
-                           in_specs=(manual_in, PartitionSpec(self.manual)) + (PartitionSpec(),) * len(args),
+                           in_specs=(manual_in, PartitionSpec(self.data_axes)) + (PartitionSpec(),) * len(args),
                            out_specs=(PartitionSpec(), manual_out))
         return fn(params, batch, *args)
 
-    def _reduce(self, grad: jax.Array, spec: PartitionSpec) -> jax.Array:
-        """Sum a local gradient over the data-parallel axes (ZeRO-sharded ones are already summed)."""
-        if any(e is not None for e in manual_part(spec, self.manual)):
-            return grad  # reduce-scattered in backward by the ZeRO-2/3 weight expansion
-        return jax.lax.psum(grad, self.manual)
+    def _reduce(self, grad: jax.Array, spec: PartitionSpec, stacked: bool) -> jax.Array:
+        """Sum a local gradient over the data-parallel axes (ZeRO-sharded ones are already summed),
+        and a weight shared by all pipeline stages (embedding, final norm) over `stage` too."""
+        if not any(e is not None for e in manual_part(spec, self.data_axes)):
+            grad = jax.lax.psum(grad, self.data_axes)
+        if self.pipelined and not stacked:
+            grad = jax.lax.psum(grad, "stage")
+        return grad
+
+    def stacked_mask(self, params):
+        """A tree of bools: True for stacked (per-layer) weights, which pipeline stages split."""
+        return jax.tree.map(lambda v: v.replace(_is_stacked(v)), params, is_leaf=_is_var)
 
 
 # Primitives that expand a weight shard to the full weight (ZeRO-3 gathers, ZeRO-2 slices its replica).
@@ -206,7 +224,8 @@ def _replica_fwd(shard, full, dim, axes):
 
 
 def _replica_bwd(dim, axes, _, grad):
-    return jax.lax.psum_scatter(grad, axes, scatter_dimension=dim, tiled=True), None
+    summed = jax.lax.psum_scatter(grad.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
+    return summed.astype(grad.dtype), None
 
 
 _replica_with_scattered_grad.defvjp(_replica_fwd, _replica_bwd)

@@ -2,7 +2,8 @@
 
 Model code names logical axes only; this table decides the layout:
 batch over data (and expert, which acts as extra data parallelism outside MoE layers),
-Megatron tensor parallelism over `tensor` (MLP hidden, attention heads, vocabulary).
+Megatron tensor parallelism over `tensor` (MLP hidden, attention heads, vocabulary), and the
+stacked layers split into pipeline stages over `stage`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv": None,
     "vocab": "tensor",
     "expert": "expert",
-    "layers": None,
+    "layers": "stage",
     "pos": None,
 }
 

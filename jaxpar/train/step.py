@@ -15,6 +15,8 @@ from flax import nnx
 
 from jaxpar.config import TrainConfig
 from jaxpar.model import layout_hooks, model_weights
+from jaxpar.parallel.pipeline import StageFns, gpipe_value_and_grad, one_f_one_b_value_and_grad
+from jaxpar.parallel.schedules import Table
 from jaxpar.train.precision import LossScale, all_finite, cast_for_compute
 
 
@@ -29,12 +31,42 @@ class TrainState:
     loss_scale: LossScale
 
 
+def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: str):
+    return nnx.merge(graphdef, cast_for_compute(model_weights(params), precision))
+
+
+def _cross_entropy(logits_BLV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), tokens_BT[:, 1:]).mean()
+
+
 def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array, precision: str,
                remat: str = "none") -> jax.Array:
     """Mean next-token cross-entropy over the batch, computed in fp32."""
-    model = nnx.merge(graphdef, cast_for_compute(model_weights(params), precision))
-    logits_BLV = model(tokens_BT[:, :-1], remat=remat).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, tokens_BT[:, 1:]).mean()
+    return _cross_entropy(_model(graphdef, params, precision)(tokens_BT[:, :-1], remat=remat), tokens_BT)
+
+
+def stage_fns(graphdef: nnx.GraphDef, precision: str, remat: str, scale: jax.Array) -> StageFns:
+    """The model cut into embedding, a chunk of layers and head+loss, for the pipeline executors."""
+    return StageFns(
+        embed=lambda p, tokens_bT: _model(graphdef, p, precision).embed(tokens_bT[:, :-1]),
+        layers=lambda p, x_bLD: _model(graphdef, p, precision).run_blocks(x_bLD, remat),
+        head_loss=lambda p, x_bLD, tokens_bT: _cross_entropy(_model(graphdef, p, precision).logits(x_bLD),
+                                                             tokens_bT) * scale,
+    )
+
+
+def pipelined_grads(graphdef, t: TrainConfig, table: Table, layout):
+    """grad_fn for Layout.gradients: the local batch cut into microbatches, run through the table."""
+    executor = gpipe_value_and_grad if table.schedule == "gpipe" else one_f_one_b_value_and_grad
+
+    def grad_fn(params, tokens_BT, scale):
+        B, T = tokens_BT.shape
+        M = table.microbatches
+        tokens_MbT = tokens_BT.reshape(B // M, M, T).swapaxes(0, 1)
+        return executor(stage_fns(graphdef, t.precision, t.remat, scale), params, layout.stacked_mask(params),
+                        tokens_MbT, table)
+
+    return grad_fn
 
 
 def accumulated_grads(loss_fn: Callable, params, tokens_BT: jax.Array, microbatches: int):
@@ -59,14 +91,16 @@ def accumulated_grads(loss_fn: Callable, params, tokens_BT: jax.Array, microbatc
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, t: TrainConfig,
-                    layout, param_specs):
-    """Build the pure step for one layout (a jaxpar.parallel.Layout)."""
+                    layout, param_specs, pipeline: Table | None = None):
+    """Build the pure step for one layout (a jaxpar.parallel.Layout), pipelined when a table is given."""
 
-    def local_grads(params, tokens_BT, scale):
+    def accumulated(params, tokens_BT, scale):
         def scaled_loss(p, tokens):
             return token_loss(graphdef, p, tokens, t.precision, t.remat) * scale
 
         return accumulated_grads(scaled_loss, params, tokens_BT, t.grad_accum)
+
+    local_grads = accumulated if pipeline is None else pipelined_grads(graphdef, t, pipeline, layout)
 
     def train_step(state: TrainState, tokens_BT: jax.Array):
         scale = state.loss_scale.scale
@@ -84,6 +118,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                           else loss_scale.count_skip(finite))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
                    "loss_scale": state.loss_scale.scale, "skipped_steps": loss_scale.skipped_steps}
+        if pipeline is not None:
+            metrics["pipeline_idle_fraction"] = jnp.asarray(pipeline.idle_fraction, jnp.float32)
         return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
 
     return train_step

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.config import Config
 from jaxpar.model import Transformer
 from jaxpar.parallel import Layout
+from jaxpar.parallel.schedules import build as build_schedule
 from jaxpar.train.optim import lr_schedule, make_optimizer
 from jaxpar.train.precision import LossScale
 from jaxpar.train.step import TrainState, make_eval_step, make_train_step
@@ -39,7 +40,11 @@ class Trainer:
             LossScale(self.replicated, self.replicated, self.replicated))
         self.batch_sharding = self.layout.batch_sharding()
 
-        train_step = make_train_step(self.graphdef, self.tx, self.schedule, cfg.train, self.layout, param_specs)
+        pipe = cfg.parallel.pipeline
+        self.pipeline = (build_schedule(pipe.schedule, self.layout.sizes["stage"], pipe.microbatches, pipe.virtual)
+                         if self.layout.pipelined else None)
+        train_step = make_train_step(self.graphdef, self.tx, self.schedule, cfg.train, self.layout, param_specs,
+                                     self.pipeline)
         self.step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                             out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
         self.eval_loss = jax.jit(make_eval_step(self.graphdef, cfg.train.precision, self.layout),

@@ -22,6 +22,9 @@ def layout_name(session: Session) -> str:
     """A short description such as 'data=4 tensor=2 grad_accum=2 bf16'."""
     t = session.cfg.train
     parts = [f"{axis}={size}" for axis, size in session.mesh_sizes.items() if size > 1]
+    if session.mesh_sizes["stage"] > 1:
+        pipe = session.cfg.parallel.pipeline
+        parts.append(f"{pipe.schedule} M={pipe.microbatches}" + (f" v={pipe.virtual}" if pipe.virtual > 1 else ""))
     if session.cfg.parallel.zero:
         parts.append(f"zero={session.cfg.parallel.zero}")
     if t.grad_accum > 1:
