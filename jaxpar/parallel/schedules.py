@@ -128,3 +128,15 @@ def _ready(action: Action, done: set[Action], last_chunk: int) -> bool:
     if action.kind == "F":
         return k == 0 or Action("F", i, k - 1) in done
     return Action("F", i, k) in done and (k == last_chunk or Action("B", i, k + 1) in done)
+
+
+def storage_order(n_layers: int, stages: int, virtual: int) -> list[int]:
+    """Model layer held at each position of the stacked weights, so that stage s's contiguous
+    block holds its chunks s, s+S, s+2S, ... (identity unless virtual > 1)."""
+    per_chunk = n_layers // (stages * virtual)
+    order = []
+    for stage in range(stages):
+        for local_chunk in range(virtual):
+            chunk = local_chunk * stages + stage
+            order += range(chunk * per_chunk, (chunk + 1) * per_chunk)
+    return order

@@ -29,6 +29,7 @@ class TrainState:
     params: nnx.State
     opt_state: optax.OptState
     loss_scale: LossScale
+    stale_params: nnx.State | None = None  # PipeDream-2BW: the weights one step old (None otherwise)
 
 
 def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: str):
@@ -104,7 +105,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
     def train_step(state: TrainState, tokens_BT: jax.Array):
         scale = state.loss_scale.scale
-        loss, grads = layout.gradients(local_grads, state.params, param_specs, tokens_BT, scale)
+        # 2BW: gradients on the weights one step old, applied to the current weights.
+        grad_params = state.stale_params if state.stale_params is not None else state.params
+        loss, grads = layout.gradients(local_grads, grad_params, param_specs, tokens_BT, scale)
         loss, grads = loss / scale, jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -120,16 +123,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                    "loss_scale": state.loss_scale.scale, "skipped_steps": loss_scale.skipped_steps}
         if pipeline is not None:
             metrics["pipeline_idle_fraction"] = jnp.asarray(pipeline.idle_fraction, jnp.float32)
-        return TrainState(state.step + 1, params, opt_state, loss_scale), metrics
+        stale = None if state.stale_params is None else state.params
+        return TrainState(state.step + 1, params, opt_state, loss_scale, stale), metrics
 
     return train_step
 
 
-def make_eval_step(graphdef, precision: str, layout):
-    """Build `(params, batch) -> loss` for validation (traced outside shard_map)."""
+def make_eval_step(graphdef, precision: str, layout, to_model_order: Callable = lambda p: p):
+    """Build `(params, batch) -> loss` for validation (traced outside shard_map, layers in model order)."""
 
     def eval_step(params, tokens_BT):
         with layout_hooks(layout.auto_hooks()):
-            return token_loss(graphdef, params, tokens_BT, precision)
+            return token_loss(graphdef, to_model_order(params), tokens_BT, precision)
 
     return eval_step

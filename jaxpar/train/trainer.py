@@ -12,6 +12,7 @@ from jaxpar.config import Config
 from jaxpar.model import Transformer
 from jaxpar.parallel import Layout
 from jaxpar.parallel.schedules import build as build_schedule
+from jaxpar.parallel.schedules import storage_order
 from jaxpar.train.optim import lr_schedule, make_optimizer
 from jaxpar.train.precision import LossScale
 from jaxpar.train.step import TrainState, make_eval_step, make_train_step
@@ -35,19 +36,27 @@ class Trainer:
         abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         param_specs = self.layout.param_specs(abstract_params)
+        # PipeDream-2BW keeps a second, one-step-old copy of the weights (also on a single device,
+        # so that `verify` compares against the same stale-update rule).
+        self.two_bw = cfg.parallel.pipeline.schedule == "2bw"
         self.state_shardings = TrainState(
             self.replicated, self.layout.named(param_specs), self.layout.named(self.layout.opt_specs(abstract_opt)),
-            LossScale(self.replicated, self.replicated, self.replicated))
+            LossScale(self.replicated, self.replicated, self.replicated),
+            self.layout.named(param_specs) if self.two_bw else None)
         self.batch_sharding = self.layout.batch_sharding()
 
         pipe = cfg.parallel.pipeline
         self.pipeline = (build_schedule(pipe.schedule, self.layout.sizes["stage"], pipe.microbatches, pipe.virtual)
                          if self.layout.pipelined else None)
+        # Interleaved stages hold non-contiguous layers: the stacked weights are stored permuted.
+        order = storage_order(cfg.model.n_layers, self.layout.sizes["stage"], self.pipeline.virtual
+                              if self.pipeline else 1)
+        self._storage = None if order == sorted(order) else np.asarray(order)
         train_step = make_train_step(self.graphdef, self.tx, self.schedule, cfg.train, self.layout, param_specs,
                                      self.pipeline)
         self.step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                             out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
-        self.eval_loss = jax.jit(make_eval_step(self.graphdef, cfg.train.precision, self.layout),
+        self.eval_loss = jax.jit(make_eval_step(self.graphdef, cfg.train.precision, self.layout, self.to_model_order),
                                  in_shardings=(self.state_shardings.params, self.batch_sharding),
                                  out_shardings=self.replicated)
 
@@ -56,11 +65,29 @@ class Trainer:
         cfg = self.cfg
 
         def create():
-            params = nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
+            params = self.from_model_order(nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed))))
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params),
-                              LossScale.initial(cfg.train.precision))
+                              LossScale.initial(cfg.train.precision), params if self.two_bw else None)
 
         return jax.jit(create, out_shardings=self.state_shardings)()
+
+    def _permute_layers(self, tree, index):
+        def one(v):
+            if not isinstance(v, nnx.Variable):
+                return v
+            names = v.get_metadata().get("out_sharding") or ()
+            stacked = bool(names) and names[0] == "layers" and len(names) == v.get_value().ndim
+            return v.replace(jnp.take(v.get_value(), index, axis=0)) if stacked else v
+
+        return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def to_model_order(self, tree):
+        """Stacked weights (in params or optimizer state) from storage order back to layer order."""
+        return tree if self._storage is None else self._permute_layers(tree, np.argsort(self._storage))
+
+    def from_model_order(self, tree):
+        """Stacked weights from layer order to this layout's storage order."""
+        return tree if self._storage is None else self._permute_layers(tree, self._storage)
 
     def put_batch(self, tokens_BT: np.ndarray) -> jax.Array:
         """Place a host batch onto the mesh with the batch sharding."""

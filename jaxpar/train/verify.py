@@ -56,7 +56,7 @@ def verify(session: Session, log=print) -> dict:
     reference = Trainer(reference_config(cfg), make_mesh(ref_sizes, session.devices[:1]))
 
     state = layout.init()
-    ref_state = reference.put_state(jax.device_get(state))
+    ref_state = reference.put_state(layout.to_model_order(jax.device_get(state)))
     loss_errors = []
     for index in range(cfg.train.steps):
         batch = session.train_data.batch(index)
@@ -66,7 +66,7 @@ def verify(session: Session, log=print) -> dict:
         loss_errors.append(abs(loss - ref_loss) / abs(ref_loss))
         log(f"step {index + 1}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}")
 
-    params, ref_params = jax.device_get((state.params, ref_state.params))
+    params, ref_params = jax.device_get((layout.to_model_order(state.params), ref_state.params))
     param_errors = [_rel(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params))]
     loss_tol, param_tol = TOLERANCES[cfg.train.precision]
     result = {
