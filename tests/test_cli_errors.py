@@ -29,7 +29,17 @@ BAD_INPUTS = {
     "short corpus": (["data.source={tmp}/short.txt"], "too few for windows"),
     "bad token file": (["data.source={tmp}/odd.bin"], "odd byte count"),
     "too many devices": (["run.devices=64"], "only 8 cpu devices exist"),
-    "pipeline not yet": (["mesh.data=4", "mesh.stage=2"], "mesh.stage > 1 needs pipeline parallelism"),
+    "layers not divisible by stages": (["mesh.data=2", "mesh.stage=4", "model.n_layers=6"],
+                                       "model.n_layers=6 is not divisible by mesh.stage x virtual stages"),
+    "layers not divisible by virtual stages": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
+                                                "parallel.pipeline.virtual=4"], "is not divisible by mesh.stage x virtual"),
+    "1f1b with fewer microbatches than stages": (["mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=2"],
+                                                 "needs at least as many microbatches as stages"),
+    "batch not divisible by microbatches x data": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.microbatches=16"],
+                                                   "is not divisible by mesh.data x mesh.expert x parallel.pipeline"),
+    "virtual without interleaving": (["parallel.pipeline.virtual=2"], "needs parallel.pipeline.schedule=interleaved"),
+    "accumulation with pipelining": (["mesh.data=4", "mesh.stage=2", "train.grad_accum=2"],
+                                     "use parallel.pipeline.microbatches instead of train.grad_accum"),
 }
 
 

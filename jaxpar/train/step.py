@@ -92,8 +92,12 @@ def accumulated_grads(loss_fn: Callable, params, tokens_BT: jax.Array, microbatc
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, t: TrainConfig,
-                    layout, param_specs, pipeline: Table | None = None):
-    """Build the pure step for one layout (a jaxpar.parallel.Layout), pipelined when a table is given."""
+                    layout, param_specs, pipeline: Table | None = None, stale_weights: bool = False):
+    """Build the pure step for one layout (a jaxpar.parallel.Layout), pipelined when a table is given.
+
+    stale_weights (PipeDream-2BW): gradients are taken on the weights one step old
+    (state.stale_params) and applied to the current ones.
+    """
 
     def accumulated(params, tokens_BT, scale):
         def scaled_loss(p, tokens):
@@ -106,7 +110,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     def train_step(state: TrainState, tokens_BT: jax.Array):
         scale = state.loss_scale.scale
         # 2BW: gradients on the weights one step old, applied to the current weights.
-        grad_params = state.stale_params if state.stale_params is not None else state.params
+        grad_params = state.stale_params if stale_weights else state.params
         loss, grads = layout.gradients(local_grads, grad_params, param_specs, tokens_BT, scale)
         loss, grads = loss / scale, jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -123,7 +127,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                    "loss_scale": state.loss_scale.scale, "skipped_steps": loss_scale.skipped_steps}
         if pipeline is not None:
             metrics["pipeline_idle_fraction"] = jnp.asarray(pipeline.idle_fraction, jnp.float32)
-        stale = None if state.stale_params is None else state.params
+        stale = state.params if stale_weights else None
         return TrainState(state.step + 1, params, opt_state, loss_scale, stale), metrics
 
     return train_step

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,7 +55,7 @@ class Trainer:
                               if self.pipeline else 1)
         self._storage = None if order == sorted(order) else np.asarray(order)
         train_step = make_train_step(self.graphdef, self.tx, self.schedule, cfg.train, self.layout, param_specs,
-                                     self.pipeline)
+                                     self.pipeline, stale_weights=self.two_bw)
         self.step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                             out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
         self.eval_loss = jax.jit(make_eval_step(self.graphdef, cfg.train.precision, self.layout, self.to_model_order),
@@ -94,8 +96,10 @@ class Trainer:
         return jax.device_put(tokens_BT, self.batch_sharding)
 
     def put_state(self, state: TrainState) -> TrainState:
-        """Copy a state (from any layout) into this layout's shardings."""
-        return jax.device_put(state, self.state_shardings)
+        """Copy a state (from any layout) into this layout's shardings (adding or dropping
+        2BW's stale weights as this config needs: a fresh copy of the current ones)."""
+        stale = (state.stale_params if state.stale_params is not None else state.params) if self.two_bw else None
+        return jax.device_put(dataclasses.replace(state, stale_params=stale), self.state_shardings)
 
     def compile_step(self):
         """Lower and compile the train step without running it (for plans and HLO checks)."""

@@ -1,0 +1,119 @@
+"""Pipeline parallelism: schedule tables, the chart command, and every schedule against the
+single-device reference."""
+
+import json
+
+import pytest
+
+from jaxpar.parallel.pipeline import stash_size
+from jaxpar.parallel.schedules import Action, build, theoretical_idle_fraction
+from jaxpar.train import verify as verify_module
+from jaxpar.train.verify import verify
+
+TABLES = [(s, S, M, 1) for s in ("gpipe", "1f1b", "2bw") for S in (2, 3, 4) for M in (S, 2 * S, 8)] + [
+    ("interleaved", S, M, v) for S in (2, 4) for M in (S, 2 * S, 4 * S) for v in (2, 3)]
+
+
+@pytest.mark.parametrize("schedule, S, M, v", TABLES)
+def test_table_respects_dependencies_and_the_bubble_formula(schedule, S, M, v):
+    table = build(schedule, S, M, v)
+    when = {}
+    for t, row in enumerate(table.ticks):
+        for s, action in enumerate(row):
+            if action is not None:
+                assert action not in when, "each unit of work runs once"
+                assert action.chunk % S == s, "a chunk runs on its own stage"
+                when[action] = t
+    chunks = S * v
+    assert len(when) == 2 * M * chunks
+    for (kind, i, k), t in when.items():
+        if kind == "F" and k > 0:
+            assert when[Action("F", i, k - 1)] < t
+        if kind == "B":
+            assert when[Action("F", i, k)] < t
+            if k < chunks - 1:
+                assert when[Action("B", i, k + 1)] < t
+    assert table.idle_fraction == pytest.approx(theoretical_idle_fraction(S, M, v))
+    if schedule in ("1f1b", "2bw"):
+        assert max(table.in_flight(s) for s in range(S)) <= S
+        assert stash_size(table) <= S
+    if schedule == "gpipe":
+        assert table.in_flight(0) == M
+
+
+def test_schedule_cli_reports_idle_fraction_and_draws(tmp_path, capsys):
+    from jaxpar.cli import main
+
+    out = tmp_path / "gpipe.png"
+    assert main(["schedule", "--schedule", "gpipe", "--stages", "4", "--microbatches", "8", "--out", str(out)]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["schedule"] == "gpipe" and last["idle_fraction"] == pytest.approx(3 / 11)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["schedule", "--schedule", "interleaved", "--stages", "4", "--microbatches", "8", "--virtual", "2"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["idle_fraction"] == pytest.approx(3 / (2 * 8 + 3))
+    assert main(["schedule", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"]) == 2
+
+
+LAYOUTS = [
+    [f"parallel.pipeline.schedule={schedule}", f"mesh.stage={S}", f"mesh.data={8 // S}",
+     f"parallel.pipeline.microbatches={M}", *extra]
+    for schedule, extra in (("gpipe", ()), ("1f1b", ()),
+                            ("interleaved", ("parallel.pipeline.virtual=2", "model.n_layers=8")))
+    for S in (2, 4) for M in (4, 8)
+] + [
+    ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=1"],
+    ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=3"],
+    ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=2", "train.precision=bf16"],
+    ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
+     "parallel.pipeline.virtual=2", "parallel.zero=3"],
+    ["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=gpipe", "train.remat=full"],
+    ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=2bw", "train.steps=4"],
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[" ".join(layout) for layout in LAYOUTS])
+def test_pipelined_layout_matches_single_device(layout, session_for):
+    result = verify(session_for("train.steps=3", *layout), log=lambda line: None)
+    assert result["ok"], result
+
+
+def test_2bw_really_uses_one_step_stale_weights(session_for, monkeypatch):
+    """Against a reference without the stale rule, 2BW must differ: the rule is in effect."""
+    original = verify_module.reference_config
+    monkeypatch.setattr(verify_module, "reference_config",
+                        lambda cfg: original(cfg).replace(**{"parallel.pipeline.schedule": "1f1b"}))
+    result = verify(session_for("train.steps=3", "mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=2bw"),
+                    log=lambda line: None)
+    assert not result["ok"] and result["loss_max_rel_err"] > 1e-4
+
+
+def test_pipeline_idle_fraction_is_in_the_metrics(session_for):
+    from jaxpar.train.loop import train
+
+    session = session_for("mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=8", "train.steps=2",
+                          "train.log_every=1", "train.eval_batches=1")
+    train(session, progress=False)
+    lines = (session.cfg.run.dir + "/metrics.jsonl")
+    records = [json.loads(line) for line in open(lines).read().splitlines()]
+    assert records[-1]["pipeline_idle_fraction"] == pytest.approx(3 / 11)
+
+
+def test_1f1b_bounds_activation_memory_by_stages_not_microbatches():
+    """At S=4, M=16, with activations dominating, 1F1B needs at most half of GPipe's temporaries."""
+    import os
+
+    from jaxpar.config import load_config
+    from jaxpar.plan import measure_step
+    from jaxpar.session import prepare
+    from jaxpar.train.trainer import Trainer
+
+    base = ["mesh.data=2", "mesh.stage=4", "model.n_layers=8", "model.seq_len=256", "train.batch_size=64",
+            "parallel.pipeline.microbatches=16", f"run.dir={os.devnull}"]
+    temps = {}
+    for schedule in ("gpipe", "1f1b"):
+        session = prepare(load_config(None, base + [f"parallel.pipeline.schedule={schedule}"]))
+        plan = measure_step(Trainer(session.cfg, session.mesh()))
+        temps[schedule] = plan["temp_bytes"]
+        assert plan["collectives"]["collective-permute"] > 0
+    assert temps["1f1b"] <= 0.5 * temps["gpipe"]
