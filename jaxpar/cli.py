@@ -1,7 +1,8 @@
 """The `jaxpar` command line: train, verify and plan.
 
-User mistakes (config, devices, data) end in one sentence on stderr and exit code 2,
-before anything is compiled.
+User mistakes (config, devices, data, a checkpoint that does not fit the config) end in one
+sentence on stderr and exit code 2, before anything is compiled. A training run whose loss
+stops being finite ends in one sentence and exit code 1.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from jaxpar.config import ConfigError, load_config
 from jaxpar.errors import UserError
 
 EXIT_USAGE = 2
+EXIT_DIVERGED = 1
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -33,11 +35,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     from jaxpar.session import prepare
 
     session = prepare(_load(args.settings))
-    from jaxpar.train.loop import train
+    from jaxpar.train.loop import NonFiniteLoss, train
 
-    summary = train(session, progress=not args.no_progress)
-    print(f"\nfinal train loss {summary['final_loss']:.4f} (first step {summary['first_loss']:.4f}), "
-          f"validation loss {summary['val_loss']:.4f}, {summary['tokens_per_s_median']:.0f} tokens/s (median)")
+    try:
+        summary = train(session, progress=not args.no_progress)
+    except NonFiniteLoss as e:
+        # Not a config mistake: the run diverged, so exit 1 rather than 2.
+        print(f"jaxpar: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
+    if "preempted" in summary:
+        return 0  # the loop has said where the checkpoint is
+    if summary["final_loss"] is not None:
+        print(f"\nfinal train loss {summary['final_loss']:.4f} (first step {summary['first_loss']:.4f}), "
+              f"validation loss {summary['val_loss']:.4f}, {summary['tokens_per_s_median']:.0f} tokens/s (median)")
+    else:
+        print(f"\nvalidation loss {summary['val_loss']:.4f}")
     print(f"sample: {summary['sample']!r}")
     print(f"outputs in {session.cfg.run.dir}/: metrics.jsonl, summary.json, loss.png")
     return 0

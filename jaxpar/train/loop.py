@@ -1,9 +1,13 @@
-"""The training loop: dispatch step N, then read step N-1's metrics (async dispatch stays busy)."""
+"""The training loop: resume from the newest checkpoint, dispatch step N then read step N-1's
+metrics (async dispatch stays busy), checkpoint, and stop cleanly on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
+import math
+import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -12,12 +16,50 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxpar.session import Session
-from jaxpar.train.report import append_jsonl, plot_loss, write_json_atomic
+from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.report import append_jsonl, plot_loss, read_jsonl, write_json_atomic, write_jsonl_atomic
 from jaxpar.train.sample import greedy_sample
 from jaxpar.train.trainer import Trainer
 
 SAMPLE_PROMPT = "The "
 SAMPLE_TOKENS = 160
+
+
+class NonFiniteLoss(Exception):
+    """The loss or gradient norm became non-finite under train.on_nonfinite=stop (the CLI exits with 1)."""
+
+
+class StopSignals:
+    """While active, SIGTERM or SIGINT asks the loop to finish the current step, save and stop.
+
+    A second signal takes the usual way out (SIGINT raises KeyboardInterrupt, SIGTERM ends
+    the process), so a stuck run can still be interrupted.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+        self._restore()
+        print(f"\njaxpar: {self.received} received; finishing the current step, then saving a checkpoint.",
+              file=sys.stderr)
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
 
 
 def validation_loss(trainer: Trainer, params, session: Session) -> float:
@@ -31,23 +73,59 @@ def _layout(session: Session) -> str:
     return " ".join(f"{axis}={size}" for axis, size in session.mesh_sizes.items() if size > 1) or "single device"
 
 
+def _warn(message: str) -> None:
+    print(f"jaxpar: warning: {message}", file=sys.stderr)
+
+
+def _logged(step: int, t) -> bool:
+    """Whether step `step` gets a metrics.jsonl line: every log_every steps, plus the first and the last."""
+    return step % t.log_every == 0 or step in (1, t.steps)
+
+
 def train(session: Session, progress: bool = True) -> dict:
-    """Train, write metrics.jsonl, summary.json and loss.png under run.dir; return the summary."""
+    """Train (resuming from <run.dir>/checkpoints when it holds one), write metrics.jsonl, summary.json
+    and loss.png under run.dir, and return the summary.
+
+    On SIGTERM/SIGINT the current step is finished and checkpointed, and the returned dict has
+    'preempted' (the signal's name) and 'step'. Raises NonFiniteLoss when the loss stops being
+    finite under train.on_nonfinite=stop, and CheckpointMismatch (a UserError) before anything
+    is compiled when the checkpoint does not fit the config. The last save is on disk before
+    this returns or raises.
+    """
+    cfg = session.cfg
+    trainer = Trainer(cfg, session.mesh())
+    checkpoints = Checkpoints(Path(cfg.run.dir) / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_)
+    try:
+        return _train(session, trainer, checkpoints, progress)
+    finally:
+        checkpoints.close()
+
+
+def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progress: bool) -> dict:
     cfg = session.cfg
     t = cfg.train
-    trainer = Trainer(cfg, session.mesh())
     run_dir = Path(cfg.run.dir)
+    resumed = checkpoints.restore_latest(trainer, _warn)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
+    if resumed is not None:
+        state, start = resumed.state, resumed.step
+        # Keep what an uninterrupted run would have logged up to the checkpoint; later lines are redone.
+        history = [r for r in read_jsonl(metrics_path) if r["step"] <= start and _logged(r["step"], t)]
+        write_jsonl_atomic(metrics_path, history)
+        print(f"jaxpar: resuming from the checkpoint at step {start} in {checkpoints.directory}", file=sys.stderr)
+    else:
+        state, start, history = trainer.init(), 0, []
+        metrics_path.unlink(missing_ok=True)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     print(f"jaxpar: training {cfg.model.n_layers}-layer d={cfg.model.d_model} model on {_layout(session)} "
           f"({len(session.devices)} {session.devices[0].platform} devices), {t.steps} steps", file=sys.stderr)
 
-    state = trainer.init()
-    bar = tqdm(total=t.steps, desc="train", unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=t.steps, initial=min(start, t.steps), desc="train", unit="step", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
     records: list[dict] = []
     last_time = time.perf_counter()
+    stop_on_nonfinite = t.on_nonfinite == "stop" and t.precision != "fp16"  # fp16 always skips such steps
 
     def finish(step: int, metrics) -> None:
         nonlocal last_time
@@ -56,33 +134,78 @@ def train(session: Session, progress: bool = True) -> dict:
         step_time, last_time = now - last_time, now
         record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
         records.append(record)
-        if step % t.log_every == 0 or step in (1, t.steps):
+        if _logged(step, t):
             append_jsonl(metrics_path, record)
         bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
+        if stop_on_nonfinite:
+            for name, key in (("loss", "loss"), ("gradient norm", "grad_norm")):
+                if not math.isfinite(values[key]):
+                    raise NonFiniteLoss(_nonfinite_message(step, name, values[key], checkpoints))
 
-    pending = None
-    for index in range(t.steps):
-        state, metrics = trainer.step(state, trainer.put_batch(session.train_data.batch(index)))
-        if pending is not None:
-            finish(*pending)
-        pending = (index + 1, metrics)
-    finish(*pending)
-    bar.close()
+    every = cfg.checkpoint.every
+    stopped_by, step = None, start
+    try:
+        with StopSignals() as signals:
+            pending = None
+            for index in range(start, t.steps):
+                state, metrics = trainer.step(state, trainer.put_batch(session.train_data.batch(index)))
+                if pending is not None:
+                    finish(*pending)
+                step, pending = index + 1, (index + 1, metrics)
+                if signals.received or (every and step % every == 0):
+                    # Read this step's metrics first: only a finite step is checkpointed.
+                    finish(*pending)
+                    pending = None
+                    checkpoints.save(step, state, trainer)
+                if signals.received:
+                    stopped_by = signals.received
+                    break
+            if pending is not None:
+                finish(*pending)
+        if stopped_by is None and every and start < t.steps and t.steps % every:
+            checkpoints.save(t.steps, state, trainer)
+    finally:
+        bar.close()
 
+    if stopped_by is not None:
+        checkpoints.wait()
+        print(f"jaxpar: stopped by {stopped_by} after step {step}; the checkpoint at step {step} is in "
+              f"{checkpoints.directory}, and the same command resumes from it.", file=sys.stderr)
+        return {"preempted": stopped_by, "step": step, "checkpoint_dir": str(checkpoints.directory)}
+    return _summarize(session, trainer, state, history, records, run_dir)
+
+
+def _nonfinite_message(step: int, name: str, value: float, checkpoints: Checkpoints) -> str:
+    if checkpoints.last_step is None:
+        where = "there is no checkpoint to go back to"
+    else:
+        where = f"the last good checkpoint is step {checkpoints.last_step} in {checkpoints.directory}"
+    return (f"training stopped at step {step} because the {name} is {value}; {where} "
+            f"(train.on_nonfinite=skip would skip such steps instead).")
+
+
+def _summarize(session: Session, trainer: Trainer, state, history: list[dict], records: list[dict],
+               run_dir: Path) -> dict:
+    """Validation loss, a sample, summary.json and loss.png for a finished run."""
+    cfg = session.cfg
     val_loss = validation_loss(trainer, state.params, session)
-    sample = greedy_sample(trainer.graphdef, state.params, SAMPLE_PROMPT, SAMPLE_TOKENS, cfg.model.seq_len)
-    steady = [r["tokens_per_s"] for r in records[1:]] or [records[0]["tokens_per_s"]]
+    # An interleaved pipeline stores its stacked layers permuted; the sampler runs the plain model.
+    params = trainer.to_model_order(state.params)
+    sample = greedy_sample(trainer.graphdef, params, SAMPLE_PROMPT, SAMPLE_TOKENS, cfg.model.seq_len)
+    every_step = history + records
+    # The first step of a process includes compilation, so the median leaves it out.
+    steady = [r["tokens_per_s"] for r in (records[1:] or records or history)]
     summary = {
-        "steps": t.steps,
-        "first_loss": records[0]["loss"],
-        "final_loss": records[-1]["loss"],
+        "steps": cfg.train.steps,
+        "first_loss": every_step[0]["loss"] if every_step else None,
+        "final_loss": every_step[-1]["loss"] if every_step else None,
         "val_loss": val_loss,
-        "tokens_per_s_median": statistics.median(steady),
+        "tokens_per_s_median": statistics.median(steady) if steady else None,
         "layout": _layout(session),
         "sample": sample,
         "config": cfg.to_dict(),
     }
     write_json_atomic(run_dir / "summary.json", summary)
-    plot_loss(records, val_loss, run_dir / "loss.png")
+    plot_loss(every_step, val_loss, run_dir / "loss.png")
     return summary

@@ -13,6 +13,26 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a .jsonl file; a line cut short by a killed process is skipped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return records
+
+
+def write_jsonl_atomic(path: Path, records: list[dict]) -> None:
+    """Replace a .jsonl file with `records` via a temporary file and rename."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write JSON via a temporary file and rename, so a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")

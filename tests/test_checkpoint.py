@@ -1,0 +1,301 @@
+"""Checkpoints: exact resume, restore onto another layout, SIGKILL and SIGTERM, damaged
+checkpoints, checkpoints that do not fit the config, and a non-finite loss.
+
+Every run is the tiny preset with one metrics line per step. The learning-rate schedule
+spans 40 steps whatever train.steps is, so a run of any length follows the same trajectory
+as the uninterrupted 40-step reference run, and its metrics must equal the reference's.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxpar.cli import main
+
+BASE = ["configs/tiny_test.yaml", "train.log_every=1", "train.lr_schedule_steps=40", "train.eval_batches=1"]
+# step_time_s and tokens_per_s are wall-clock; everything else must match exactly.
+DETERMINISTIC = ("step", "loss", "grad_norm", "lr", "loss_scale", "skipped_steps")
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 120
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: json.loads(line)[k] for k in DETERMINISTIC} for line in lines]
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    folder = run_dir / "checkpoints"
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
+
+
+def partial_saves(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir() if ".orbax-checkpoint-tmp" in p.name)
+
+
+def train_here(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
+    """`jaxpar train` in this process; returns the exit code and stderr."""
+    code = main(["train", "--no-progress", *BASE, f"run.dir={run_dir}", *overrides])
+    return code, capsys.readouterr().err
+
+
+def start_training(run_dir: Path, *overrides: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """`python -m jaxpar train` as a separate process (so it can be killed); stderr goes to a file."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    err_path = run_dir.parent / f"{run_dir.name}-stderr-{time.monotonic_ns()}.txt"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "jaxpar", "train", "--no-progress", *BASE,
+                                 f"run.dir={run_dir}", *overrides], cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=err, env={**os.environ, **(env or {})})
+    return proc, err_path
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str):
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        assert proc.poll() is None, f"the training process ended (code {proc.returncode}) before {what}"
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """Metrics of the uninterrupted 40-step run on the default layout (data=4 x tensor=2)."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    assert main(["train", "--no-progress", *BASE, "train.steps=40", f"run.dir={run_dir}"]) == 0
+    return metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def ten_steps(tmp_path_factory) -> Path:
+    """A 10-step run with checkpoints at steps 5 and 10; tests copy it before changing it."""
+    run_dir = tmp_path_factory.mktemp("ten_steps") / "run"
+    assert main(["train", "--no-progress", *BASE, "train.steps=10", "checkpoint.every=5", f"run.dir={run_dir}"]) == 0
+    return run_dir
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, capsys, reference):
+    run_dir = tmp_path / "run"
+    code, _ = train_here(capsys, run_dir, "train.steps=20", "checkpoint.every=5")
+    assert code == 0 and checkpoint_steps(run_dir) == [10, 15, 20]  # checkpoint.keep=3
+    code, err = train_here(capsys, run_dir, "train.steps=40", "checkpoint.every=5")
+    assert code == 0
+    assert f"jaxpar: resuming from the checkpoint at step 20 in {run_dir / 'checkpoints'}" in err
+    resumed = metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, 41))
+    assert resumed[20:] == reference[20:]  # steps 21-40, bit for bit
+    assert resumed == reference
+
+
+def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
+    from jaxpar.config import load_config
+    from jaxpar.session import prepare
+    from jaxpar.train.checkpoint import Checkpoints, flat_by_path
+    from jaxpar.train.trainer import Trainer
+
+    original = ["mesh.data=8", "mesh.tensor=1"]
+    resharded = ["mesh.data=2", "mesh.tensor=4", "parallel.zero=3"]
+    saved = tmp_path / "saved"
+    assert train_here(capsys, saved, "train.steps=10", "checkpoint.every=10", *original)[0] == 0
+
+    # The restored arrays land directly in the new layout's shardings, with the saved values.
+    def restore(layout):
+        session = prepare(load_config(BASE[0], [*BASE[1:], f"run.dir={saved}", *layout]))
+        trainer = Trainer(session.cfg, session.mesh())
+        checkpoints = Checkpoints(saved / "checkpoints", keep=3)
+        restored = checkpoints.restore_latest(trainer, warn=pytest.fail)
+        checkpoints.close()
+        return restored, flat_by_path(trainer.state_shardings)
+
+    before, _ = restore(original)
+    after, shardings = restore(resharded)
+    assert after.step == before.step == 10
+    before_arrays, after_arrays = flat_by_path(before.state), flat_by_path(after.state)
+    assert after_arrays.keys() == shardings.keys()
+    for key, array in after_arrays.items():
+        assert array.sharding == shardings[key], key
+        np.testing.assert_array_equal(np.asarray(array), np.asarray(before_arrays[key]), err_msg=key)
+    assert not shardings["params/blocks/mlp/w_up/value"].is_fully_replicated
+
+    # Training continues with the same loss as on the original layout.
+    other = copy_of(saved, tmp_path / "other")
+    assert train_here(capsys, saved, "train.steps=12", "checkpoint.every=10", *original)[0] == 0
+    code, err = train_here(capsys, other, "train.steps=12", "checkpoint.every=10", *resharded)
+    assert code == 0 and "resuming from the checkpoint at step 10" in err
+    on_original, on_resharded = metrics(saved)[10:], metrics(other)[10:]
+    assert [r["step"] for r in on_resharded] == [11, 12]
+    for a, b in zip(on_original, on_resharded):
+        assert abs(b["loss"] - a["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+
+
+PIPELINES = {
+    "plain": ["mesh.data=8", "mesh.tensor=1"],
+    "interleaved": ["mesh.data=4", "mesh.tensor=1", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
+                    "parallel.pipeline.virtual=2", "parallel.pipeline.microbatches=2"],
+    "2bw": ["mesh.data=4", "mesh.tensor=1", "mesh.stage=2", "parallel.pipeline.schedule=2bw",
+            "parallel.pipeline.microbatches=2"],
+}
+
+
+def test_restore_across_pipeline_layouts(tmp_path):
+    """Interleaved stages store their layers permuted and 2BW keeps a second copy of the weights;
+    checkpoints hold layers in model order, so they move between these and plain layouts."""
+    from jaxpar.config import load_config
+    from jaxpar.session import prepare
+    from jaxpar.train.checkpoint import Checkpoints, flat_by_path
+    from jaxpar.train.trainer import Trainer
+
+    def trainer(name):
+        cfg = load_config(BASE[0], [*BASE[1:], "model.n_layers=4", f"run.dir={tmp_path}", *PIPELINES[name]])
+        session = prepare(cfg)
+        return Trainer(session.cfg, session.mesh())
+
+    def round_trip(source, state, target, folder):
+        checkpoints = Checkpoints(tmp_path / folder, keep=1)
+        checkpoints.save(1, state, source)
+        restored = checkpoints.restore_latest(target, warn=pytest.fail)
+        checkpoints.close()
+        return restored.state, {k: np.asarray(v) for k, v in flat_by_path(restored.state).items()}
+
+    def same(a, b):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+    plain, interleaved, two_bw = trainer("plain"), trainer("interleaved"), trainer("2bw")
+    plain_state, interleaved_state = plain.init(), interleaved.init()
+    in_model_order = {k: np.asarray(v) for k, v in flat_by_path(plain_state).items()}
+    permuted = {k: np.asarray(v) for k, v in flat_by_path(interleaved_state).items()}
+    key = "params/blocks/mlp/w_up/value"
+    assert not np.array_equal(permuted[key], in_model_order[key])  # the layers really are stored permuted
+
+    same(round_trip(interleaved, interleaved_state, plain, "a")[1], in_model_order)
+    same(round_trip(interleaved, interleaved_state, interleaved, "b")[1], permuted)
+    two_bw_state, from_plain = round_trip(plain, plain_state, two_bw, "c")  # 2BW's stale weights start as the weights
+    same({k: v for k, v in from_plain.items() if not k.startswith("stale_params/")}, in_model_order)
+    same({k[len("stale_"):]: v for k, v in from_plain.items() if k.startswith("stale_params/")},
+         {k: v for k, v in in_model_order.items() if k.startswith("params/")})
+    same(round_trip(two_bw, two_bw_state, plain, "d")[1], in_model_order)  # and are dropped again
+
+
+def test_sigkill_at_any_moment_resumes_from_the_newest_complete_checkpoint(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    settings = ("train.steps=40", "checkpoint.every=5")
+
+    # 1. Killed between saves, after step 12 has been logged (the async save of step 10 may be unfinished).
+    proc, _ = start_training(run_dir, *settings)
+    wait_for(lambda: logged_steps(run_dir) >= 12, proc, "step 12")
+    proc.kill()
+    proc.wait()
+    newest = checkpoint_steps(run_dir)[-1]
+
+    # 2. Killed during the save of step 20 (held open by the test hook), after save 15 completed.
+    proc, err_path = start_training(run_dir, *settings, env={"JAXPAR_TEST_SLOW_SAVE": "20"})
+    wait_for(lambda: any(p.startswith("20.") for p in partial_saves(run_dir)), proc, "the save of step 20")
+    proc.kill()
+    proc.wait()
+    assert f"resuming from the checkpoint at step {newest} " in err_path.read_text()
+    assert checkpoint_steps(run_dir)[-1] == 15 and partial_saves(run_dir)  # the partial save is on disk
+
+    # 3. Killed while starting up again: the partial step 20 must not be picked up.
+    proc, err_path = start_training(run_dir, *settings)
+    wait_for(lambda: "resuming from the checkpoint" in err_path.read_text(), proc, "the resume")
+    proc.kill()
+    proc.wait()
+    assert "resuming from the checkpoint at step 15 " in err_path.read_text()
+
+    # 4. Run to the end: nothing is lost beyond the steps since the checkpoint, and nothing is left half-written.
+    proc, err_path = start_training(run_dir, *settings)
+    assert proc.wait(timeout=TIMEOUT_S) == 0, err_path.read_text()
+    assert "resuming from the checkpoint at step 15 " in err_path.read_text()
+    assert metrics(run_dir) == reference
+    assert checkpoint_steps(run_dir) == [30, 35, 40] and partial_saves(run_dir) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stop_signal_checkpoints_the_current_step_and_exits_0(sig, tmp_path, capsys, reference):
+    run_dir = tmp_path / "run"
+    proc, err_path = start_training(run_dir, "train.steps=40")  # periodic checkpoints are off
+    wait_for(lambda: logged_steps(run_dir) >= 5, proc, "step 5")
+    proc.send_signal(sig)
+    assert proc.wait(timeout=TIMEOUT_S) == 0, err_path.read_text()
+    last = metrics(run_dir)[-1]["step"]
+    assert checkpoint_steps(run_dir) == [last] and partial_saves(run_dir) == []
+    assert (f"jaxpar: stopped by {sig.name} after step {last}; the checkpoint at step {last} is in "
+            f"{run_dir / 'checkpoints'}, and the same command resumes from it.") in err_path.read_text()
+    # The checkpoint holds the current step exactly.
+    code, err = train_here(capsys, run_dir, f"train.steps={last + 2}")
+    assert code == 0 and f"resuming from the checkpoint at step {last} " in err
+    assert metrics(run_dir) == reference[:last + 2]
+
+
+def _truncate_largest_array_file(step_dir: Path) -> None:
+    largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with largest.open("r+b") as f:
+        f.truncate(largest.stat().st_size // 2)
+
+
+def _delete_metadata_file(step_dir: Path) -> None:
+    (step_dir / "meta" / "metadata").unlink()
+
+
+@pytest.mark.parametrize("damage", [_truncate_largest_array_file, _delete_metadata_file], ids=["truncated", "missing"])
+def test_damaged_checkpoint_is_reported_and_skipped(damage, tmp_path, capsys, ten_steps, reference):
+    run_dir = copy_of(ten_steps, tmp_path)
+    damage(run_dir / "checkpoints" / "10")
+    code, err = train_here(capsys, run_dir, "train.steps=12", "checkpoint.every=5")
+    assert code == 0
+    warnings = [line for line in err.splitlines() if line.startswith("jaxpar: warning:")]
+    assert len(warnings) == 1 and warnings[0].endswith(".")
+    assert warnings[0].startswith(f"jaxpar: warning: the checkpoint at step 10 in {run_dir / 'checkpoints'} is "
+                                  "damaged and cannot be read (")
+    assert f"falling back to step 5, and the damaged one is moved to {run_dir / 'damaged_checkpoints' / '10'}." \
+        in warnings[0]
+    assert "resuming from the checkpoint at step 5 " in err
+    assert metrics(run_dir) == reference[:12]
+    assert checkpoint_steps(run_dir) == [5, 10, 12] and (run_dir / "damaged_checkpoints" / "10").is_dir()
+
+
+def test_checkpoint_of_another_model_shape_is_refused_with_exit_2(tmp_path, capsys, ten_steps):
+    run_dir = copy_of(ten_steps, tmp_path)
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    code, err = train_here(capsys, run_dir, "train.steps=20", "model.d_model=128", "model.d_ff=512")
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"jaxpar: error: the checkpoint at step 10 in {run_dir / 'checkpoints'} was written with model.d_model=64, "
+        "model.d_ff=256 but this config has model.d_model=128, model.d_ff=512; resume with the same values or use "
+        "another run.dir."]
+    assert (run_dir / "metrics.jsonl").read_bytes() == before and checkpoint_steps(run_dir) == [5, 10]
+
+
+def test_nonfinite_loss_stops_with_exit_1_naming_the_last_good_checkpoint(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    # A huge learning rate overflows the parameters after the first update.
+    code, err = train_here(capsys, run_dir, "train.steps=10", "train.lr=1e30", "train.warmup=0", "checkpoint.every=1")
+    assert code == 1
+    last = err.strip().splitlines()[-1]
+    assert last == (f"jaxpar: training stopped at step 2 because the gradient norm is nan; the last good checkpoint "
+                    f"is step 1 in {run_dir / 'checkpoints'} (train.on_nonfinite=skip would skip such steps instead).")
+    assert checkpoint_steps(run_dir) == [1]
