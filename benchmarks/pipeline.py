@@ -1,0 +1,187 @@
+"""Pipeline schedules on S=4 stages: bubble, FLOPs, temporaries and speed against M microbatches.
+
+Usage:
+    python benchmarks/pipeline.py [key=value ...] [--steps N] [--warmup W]
+
+Model: jaxpar's defaults with `model.n_layers=8 train.batch_size=64`, then the key=value overrides.
+For each schedule in {gpipe, 1f1b, interleaved (parallel.pipeline.virtual=2), 2bw} and each number of
+microbatches M in {4, 8, 16, 32}, jaxpar's Trainer is built on mesh.data=2 x mesh.stage=4 (8 devices,
+emulated on a CPU-only host) and reported:
+  * idle fraction: theoretical (S-1)/(v*M+S-1) (v=2 interleaved, else 1) and that of the schedule table
+    the executor runs (`jaxpar.parallel.schedules.build(...).idle_fraction`), with its tick count;
+  * FLOPs per device against the non-pipelined step of the same model and global batch on mesh.data=8,
+    which gives every device the same share of the work (1/8 of the batch through the whole model, vs
+    1/2 of the batch through 1/4 of the model):
+      - static = flops_pipelined / flops_data8, both `measure_step(trainer)["flops"]`: compiled matmul
+        FLOPs with loop trip counts. Every branch of a conditional counts on every execution, so for a
+        pipelined step this is an upper bound: bubble ticks, GPipe's active/inactive `cond` and the
+        explicit schedules' idle/forward/backward `lax.switch` branches all count on every tick;
+      - executed (formula), the work the table really runs, with B = 2F (backward = 2 x forward):
+          GPipe: M forwards + M backwards of 1/S of the model per device, data=8's share:
+                 (F + B) / (F + B) = 1;
+          1F1B, interleaved, 2BW: each backward tick recomputes its forward (`jax.vjp` from the stashed
+                 input), so a microbatch costs F + (F + B) instead of F + B: (2F + B) / (F + B) = 4/3;
+  * temporaries per device (MiB, XLA's memory_analysis via `measure_step`);
+  * tokens/s = batch_size * seq_len / median step time of N timed steps after W warm-up steps
+    (compilation included in the warm-up; every step waited for with block_until_ready).
+The data=8 reference is timed and measured the same way. Printed: a markdown table, then one JSON line
+with every number; the figure goes to benchmarks/results/pipeline.png (idle fraction and temporaries vs M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from jaxpar.config import load_config, validate
+from jaxpar.runtime import make_mesh, setup_devices
+
+STAGES, DATA, MICROBATCHES = 4, 2, (4, 8, 16, 32)
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "2bw": 1}  # schedule -> virtual stages per device
+MODEL = ["model.n_layers=8", "train.batch_size=64"]
+F, B = 1.0, 2.0  # forward and backward cost of one unit of work, for the executed-FLOPs formula
+OUT_PNG = Path(__file__).resolve().parent / "results" / "pipeline.png"
+MIB = 2 ** 20
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (default 5)")
+parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps, compile included (default 2)")
+ARGS = parser.parse_args()
+if ARGS.steps < 1 or ARGS.warmup < 1:
+    parser.error("--steps and --warmup must be at least 1")
+BASE = [f"run.dir={os.devnull}", *MODEL, *ARGS.overrides]
+# jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).
+DEVICES = setup_devices(load_config(None, BASE))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxpar.data import BatchSampler, load_tokens, split_tokens  # noqa: E402
+from jaxpar.parallel.schedules import theoretical_idle_fraction  # noqa: E402
+from jaxpar.plan import measure_step  # noqa: E402
+from jaxpar.train.trainer import Trainer  # noqa: E402
+
+
+def executed_ratio(schedule: str) -> float:
+    """Executed FLOPs per device over data=8's: (F+B)/(F+B) for GPipe, (2F+B)/(F+B) with recompute."""
+    return (F + B) / (F + B) if schedule == "gpipe" else (F + (F + B)) / (F + B)
+
+
+def host_batches(cfg, count: int) -> list[np.ndarray]:
+    """`count` (batch_size, seq_len+1) token batches, the same for every layout."""
+    m, t = cfg.model, cfg.train
+    train_tokens, _ = split_tokens(load_tokens(cfg.data.source, m.vocab_size), cfg.data.val_fraction, m.seq_len)
+    sampler = BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed)
+    return [sampler.batch(i) for i in range(count)]
+
+
+def run_layout(label: str, overrides: list[str], batches: list[np.ndarray]) -> dict:
+    """Build one layout's Trainer, measure its compiled step, then time it; returns the raw figures."""
+    start = time.perf_counter()
+    cfg = load_config(None, [*BASE, *overrides])
+    trainer = Trainer(cfg, make_mesh(validate(cfg, len(DEVICES)), DEVICES))
+    plan = measure_step(trainer)
+    state, times = trainer.init(), []
+    for i, host in enumerate(batches):
+        batch = jax.block_until_ready(trainer.put_batch(host))
+        tick = time.perf_counter()
+        state, out = trainer.step(state, batch)
+        jax.block_until_ready((state, out))
+        if i >= ARGS.warmup:
+            times.append(time.perf_counter() - tick)
+    seconds = statistics.median(times)
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    print(f"{label}: {seconds * 1e3:.1f} ms/step, done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return {"flops": plan["flops"], "temp_bytes": plan["temp_bytes"], "median_step_ms": seconds * 1e3,
+            "tokens_per_s": tokens / seconds, "table": trainer.pipeline}
+
+
+def markdown(ref: dict, rows: list[dict]) -> str:
+    """The markdown table: one row per (schedule, M), then the data=8 reference."""
+    header = ["schedule", "M", "ticks", "idle theory", "idle table", "static FLOPs / data=8",
+              "executed FLOPs / data=8 (formula)", "temp MiB", "step ms", "tokens/s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        cells = [r["schedule"] + (f" (v={r['virtual']})" if r["virtual"] > 1 else ""), str(r["M"]), str(r["ticks"]),
+                 f"{r['idle_theory']:.3f}", f"{r['idle_table']:.3f}", f"{r['static_flops_ratio']:.3f}",
+                 f"{r['executed_flops_ratio']:.3f}", f"{r['temp_mib']:.2f}", f"{r['median_step_ms']:.1f}",
+                 f"{r['tokens_per_s']:,.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("| " + " | ".join(["none (data=8)", "-", "-", "0", "-", "1.000", "1.000", f"{ref['temp_mib']:.2f}",
+                                    f"{ref['median_step_ms']:.1f}", f"{ref['tokens_per_s']:,.0f}"]) + " |")
+    return "\n".join(lines)
+
+
+def plot(ref: dict, rows: list[dict], path: Path) -> None:
+    """Two panels against M: idle fraction per schedule with theory dashed (left), temporary MiB (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for (schedule, virtual), marker in zip(SCHEDULES.items(), "osD^"):
+        mine = [r for r in rows if r["schedule"] == schedule]
+        label = schedule + (f" (v={virtual})" if virtual > 1 else "")
+        left.plot([r["M"] for r in mine], [r["idle_table"] for r in mine], marker=marker, label=f"{label}, table")
+        right.plot([r["M"] for r in mine], [r["temp_mib"] for r in mine], marker=marker, label=label)
+    for virtual, color in zip(sorted(set(SCHEDULES.values())), ("black", "gray")):
+        left.plot(MICROBATCHES, [theoretical_idle_fraction(STAGES, m, virtual) for m in MICROBATCHES], "--",
+                  color=color, label=f"theory (S-1)/({virtual if virtual > 1 else ''}M+S-1)")
+    right.axhline(ref["temp_mib"], color="gray", ls=":", label="no pipeline (data=8)")
+    right.set_yscale("log")
+    same = len({tuple(r["idle_table"] for r in rows if r["schedule"] == s) for s, v in SCHEDULES.items() if v == 1})
+    note = " (the v=1 tables coincide)" if same == 1 else ""
+    for ax, ylabel, title in ((left, "idle fraction", f"Pipeline bubble, S={STAGES}{note}"),
+                              (right, "temporary MiB per device", f"Temporaries, data={DATA} x stage={STAGES}")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(MICROBATCHES, [str(m) for m in MICROBATCHES])
+        ax.set_xlabel("microbatches M")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    """Run the data=8 reference and every (schedule, M), print the table and JSON, write the figure."""
+    cfg = load_config(None, BASE)
+    batches = host_batches(cfg, ARGS.warmup + ARGS.steps)
+    print(f"{len(DEVICES)} x {DEVICES[0].device_kind} ({DEVICES[0].platform}); batch {cfg.train.batch_size} x seq "
+          f"{cfg.model.seq_len}; {ARGS.warmup} warm-up + {ARGS.steps} timed steps per layout", file=sys.stderr)
+    ref = run_layout("data=8", ["mesh.data=8", "mesh.stage=1"], batches)
+    ref.pop("table")
+    ref["temp_mib"] = ref["temp_bytes"] / MIB
+    rows = []
+    for schedule, virtual in SCHEDULES.items():
+        for m in MICROBATCHES:
+            got = run_layout(f"{schedule} M={m}", [f"mesh.data={DATA}", f"mesh.stage={STAGES}",
+                                                   f"parallel.pipeline.schedule={schedule}",
+                                                   f"parallel.pipeline.microbatches={m}",
+                                                   f"parallel.pipeline.virtual={virtual}"], batches)
+            table = got.pop("table")
+            rows.append({"schedule": schedule, "virtual": virtual, "M": m, "ticks": len(table.ticks),
+                         "idle_theory": theoretical_idle_fraction(STAGES, m, virtual),
+                         "idle_table": table.idle_fraction, "static_flops_ratio": got["flops"] / ref["flops"],
+                         "executed_flops_ratio": executed_ratio(schedule), "temp_mib": got["temp_bytes"] / MIB,
+                         **got})
+    print(f"Pipeline, S={STAGES} on data={DATA} x stage={STAGES} ({' '.join(BASE[1:])}); "
+          f"FLOPs relative to data=8 (flops_data8 = {ref['flops']:.4g} per device)\n")
+    print(markdown(ref, rows) + "\n")
+    plot(ref, rows, OUT_PNG)
+    print(f"figure: {OUT_PNG}", file=sys.stderr)
+    print(json.dumps({"overrides": BASE[1:], "stages": STAGES, "data": DATA, "reference_data8": ref, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
