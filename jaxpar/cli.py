@@ -1,4 +1,4 @@
-"""The `jaxpar` command line: train, verify and plan.
+"""The `jaxpar` command line: train, verify, plan and schedule.
 
 User mistakes (config, devices, data, a checkpoint that does not fit the config) end in one
 sentence on stderr and exit code 2, before anything is compiled. A training run whose loss
@@ -50,7 +50,8 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"validation loss {summary['val_loss']:.4f}, {summary['tokens_per_s_median']:.0f} tokens/s (median)")
     else:
         print(f"\nvalidation loss {summary['val_loss']:.4f}")
-    print(f"sample: {summary['sample']!r}")
+    if summary["sample"] is not None:
+        print(f"sample: {summary['sample']!r}")
     print(f"outputs in {session.cfg.run.dir}/: metrics.jsonl, summary.json, loss.png")
     return 0
 
@@ -84,6 +85,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from jaxpar.parallel.schedules import SCHEDULES, build
+    from jaxpar.plan.schedule_chart import draw, summary, text_chart
+
+    if args.schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {args.schedule!r}.")
+    if args.stages < 1 or args.microbatches < 1 or args.virtual < 1:
+        raise ConfigError("--stages, --microbatches and --virtual must be positive.")
+    if args.virtual > 1 and args.schedule != "interleaved":
+        raise ConfigError(f"--virtual {args.virtual} needs --schedule interleaved.")
+    if args.schedule == "interleaved" and args.microbatches % args.stages:
+        raise ConfigError(f"interleaved 1F1B needs --microbatches to be a multiple of --stages ({args.stages}).")
+    table = build(args.schedule, args.stages, args.microbatches, args.virtual)
+    print(text_chart(table))
+    if args.out:
+        draw(table, args.out)
+        print(f"chart written to {args.out}")
+    print(json.dumps(summary(table)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for all subcommands."""
     parser = argparse.ArgumentParser(prog="jaxpar", description="Train transformer LMs across many devices with JAX.")
@@ -96,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="compile the step and report per-device memory, FLOPs and collectives")
     p.add_argument("settings", nargs="*", help=settings_help)
     p.set_defaults(run=cmd_plan)
+    p = sub.add_parser("schedule", help="draw a pipeline schedule and print its idle fraction")
+    p.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved or 2bw")
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
+    p.add_argument("--microbatches", type=int, required=True, help="microbatches M per step")
+    p.add_argument("--virtual", type=int, default=1, help="chunks per device v (interleaved)")
+    p.add_argument("--out", help="write the Gantt chart to this PNG")
+    p.set_defaults(run=cmd_schedule)
     p = sub.add_parser("verify", help="compare a layout against the single-device reference")
     p.add_argument("settings", nargs="*", help=settings_help)
     p.set_defaults(run=cmd_verify)

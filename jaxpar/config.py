@@ -26,6 +26,21 @@ class ConfigError(UserError):
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts: E experts (0 = dense) on every k-th layer's MLP, and the router."""
+
+    experts: int = 0
+    every: int = 2
+    router: Literal["topk", "switch", "expert_choice"] = "switch"
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    group_size: int = 256
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.0
+    noise: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape of the decoder-only transformer."""
 
@@ -37,6 +52,7 @@ class ModelConfig:
     seq_len: int = 128
     positions: Literal["rope", "learned"] = "rope"
     tie_embeddings: bool = True
+    moe: MoEConfig = MoEConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +366,31 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError("parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3.")
 
 
+def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
+    moe, m, t = cfg.model.moe, cfg.model, cfg.train
+    if moe.experts < 0:
+        raise ConfigError(f"model.moe.experts must be 0 (dense) or positive, got {moe.experts}.")
+    if moe.experts == 0:
+        return  # a dense model uses the expert axis as extra data parallelism
+    if moe.experts % sizes["expert"]:
+        raise ConfigError(f"model.moe.experts={moe.experts} is not divisible by mesh.expert={sizes['expert']}.")
+    if moe.every <= 0 or m.n_layers % moe.every:
+        raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by model.moe.every={moe.every}.")
+    if moe.router == "topk" and not 0 < moe.top_k <= moe.experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.experts={moe.experts}.")
+    if moe.capacity_factor <= 0:
+        raise ConfigError(f"model.moe.capacity_factor must be positive, got {moe.capacity_factor}.")
+    tokens = t.batch_size // (sizes["data"] * sizes["expert"] * t.grad_accum) * m.seq_len
+    if moe.group_size <= 0 or tokens % moe.group_size:
+        raise ConfigError(f"model.moe.group_size={moe.group_size} does not divide the {tokens} tokens per device "
+                          f"(train.batch_size / (data x expert x grad_accum) x model.seq_len).")
+    if sizes["stage"] > 1:
+        raise ConfigError("mixture of experts with mesh.stage > 1 is not supported yet.")
+    if t.grad_accum > 1 and moe.noise and moe.router == "topk":
+        raise ConfigError("noisy top-k routing draws noise per routing group of the whole batch, so it cannot be "
+                          "combined with train.grad_accum > 1; set model.moe.noise=false.")
+
+
 def validate(cfg: Config, n_devices: int) -> dict[str, int]:
     """Check every cross-field constraint before anything is compiled; return mesh sizes."""
     sizes = resolve_mesh(cfg.mesh, n_devices)
@@ -377,6 +418,7 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
             f"train.batch_size={t.batch_size} is not divisible by mesh.data x mesh.expert x train.grad_accum"
             f" = {sizes['data']} x {sizes['expert']} x {t.grad_accum}.")
     _validate_pipeline(cfg, sizes)
+    _validate_moe(cfg, sizes)
     if cfg.parallel.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {cfg.parallel.zero}.")
     if t.lr_schedule_steps < 0:

@@ -18,6 +18,7 @@ import contextvars
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 LOGICAL_AXES = ("batch", "seq", "embed", "mlp", "heads", "kv", "vocab", "expert", "layers", "pos")
@@ -31,6 +32,10 @@ class LayoutHooks(Protocol):
     def model_weights(self, state): ...
 
     def layer_weights(self, layer_state, index: jax.Array): ...
+
+    def expert_all_to_all(self, x_EGCD: jax.Array, inverse: bool) -> jax.Array: ...
+
+    def batch_shard_index(self) -> jax.Array: ...
 
     # A jax.checkpoint policy for the layer scan when no remat is asked for: it keeps
     # activations but not the weights `layer_weights` produced (redone in backward). None: no policy.
@@ -69,6 +74,20 @@ def layer_weights(layer_state, index: jax.Array):
     """Layer `index`'s weights as the layer should use them (e.g. gathered), if a layout is active."""
     hooks = _hooks.get()
     return layer_state if hooks is None else hooks.layer_weights(layer_state, index)
+
+
+def expert_all_to_all(x_EGCD: jax.Array, inverse: bool) -> jax.Array:
+    """Expert parallelism: (E, G, C, D) -> (E_local, G x shards, C, D), or back when inverse."""
+    hooks = _hooks.get()
+    return x_EGCD if hooks is None or not hasattr(hooks, "expert_all_to_all") else hooks.expert_all_to_all(
+        x_EGCD, inverse)
+
+
+def batch_shard_index() -> jax.Array:
+    """Index of this device's slice of the batch (0 without a manual layout)."""
+    hooks = _hooks.get()
+    return jnp.zeros((), jnp.int32) if hooks is None or not hasattr(hooks, "batch_shard_index") else (
+        hooks.batch_shard_index())
 
 
 def layer_weights_policy():

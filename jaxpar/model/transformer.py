@@ -11,20 +11,42 @@ from jaxpar.model.attention import Attention
 from jaxpar.model.axes import constrain, layer_weights, layer_weights_policy, param
 from jaxpar.model.layers import RMSNorm
 from jaxpar.model.mlp import MLP
+from jaxpar.model.moe import MoE
 
 
 class Block(nnx.Module):
-    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (the MLP may be an MoE).
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    Returns the new residual stream and routing statistics ({} for a dense MLP).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    def __call__(self, x_BLD: jax.Array, noise_key: jax.Array | None = None):
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
-        return x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        if isinstance(self.mlp, MoE):
+            y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), noise_key)
+            return x_BLD + y_BLD, stats
+        return x_BLD + self.mlp(self.mlp_norm(x_BLD)), {}
+
+
+class MoEUnit(nnx.Module):
+    """The scanned unit of an MoE model: `every - 1` dense blocks, then one MoE block."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        every = cfg.moe.every
+        self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=i == every - 1) for i in range(every)])
+
+    def __call__(self, x_BLD: jax.Array, noise_key: jax.Array | None = None):
+        stats = {}
+        for block in self.blocks:
+            x_BLD, block_stats = block(x_BLD, noise_key)
+            stats = block_stats or stats
+        return x_BLD, stats
 
 
 class Transformer(nnx.Module):
@@ -40,17 +62,19 @@ class Transformer(nnx.Module):
             param(rngs.params(), (cfg.seq_len, D), ("pos", "embed"), 0.02) if cfg.positions == "learned" else None
         )
 
-        @nnx.split_rngs(splits=cfg.n_layers)
+        unit, units = (MoEUnit, cfg.n_layers // cfg.moe.every) if cfg.moe.experts else (Block, cfg.n_layers)
+
+        @nnx.split_rngs(splits=units)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs=rngs)
+        def stacked_blocks(rngs: nnx.Rngs):
+            return unit(cfg, rngs=rngs)
 
         self.blocks = stacked_blocks(rngs)
         self.final_norm = RMSNorm(D)
         self.head = None if cfg.tie_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), D ** -0.5)
 
     def __call__(self, tokens_BL: jax.Array, remat: str = "none") -> jax.Array:
-        return self.logits(self.run_blocks(self.embed(tokens_BL), remat))
+        return self.logits(self.run_blocks(self.embed(tokens_BL), remat)[0])
 
     def embed(self, tokens_BL: jax.Array) -> jax.Array:
         """Token (and learned position) embedding: (B, L) ints -> (B, L, D)."""
@@ -68,8 +92,10 @@ class Transformer(nnx.Module):
             logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.head[...])
         return constrain(logits_BLV, ("batch", "seq", "vocab"))
 
-    def run_blocks(self, x_BLD: jax.Array, remat: str = "none") -> jax.Array:
-        """Scan the stacked blocks so compile time does not grow with depth.
+    def run_blocks(self, x_BLD: jax.Array, remat: str = "none", noise_key: jax.Array | None = None):
+        """Scan the stacked blocks so compile time does not grow with depth; returns the output
+        and per-layer routing statistics stacked on a leading axis ({} for a dense model).
+        `noise_key` (training only) drives noisy top-k routing, folded with the layer index.
 
         remat: 'none' keeps every activation for backward; 'full' keeps only each layer's
         input and recomputes the layer; 'dots' keeps matmul outputs only; 'sqrt' splits the
@@ -83,7 +109,8 @@ class Transformer(nnx.Module):
 
         def one_layer(x, layer):
             layer_state, index = layer
-            return nnx.merge(graphdef, layer_weights(layer_state, index))(x), None
+            key = None if noise_key is None else jax.random.fold_in(noise_key, index)
+            return nnx.merge(graphdef, layer_weights(layer_state, index))(x, key)
 
         policy = REMAT_POLICIES.get(remat) or layer_weights_policy()
         if policy is not None:
@@ -91,8 +118,7 @@ class Transformer(nnx.Module):
         layers = (stacked, jnp.arange(n_layers))
         if remat == "sqrt":
             return _segmented_scan(one_layer, x_BLD, layers, sqrt_segments(n_layers))
-        x_BLD, _ = jax.lax.scan(one_layer, x_BLD, layers)
-        return x_BLD
+        return jax.lax.scan(one_layer, x_BLD, layers)
 
 
 # Per-layer checkpoint policies; 'sqrt' checkpoints whole segments instead (see _segmented_scan).
@@ -120,8 +146,7 @@ def _segmented_scan(one_layer, x_BLD, layers, segments: int):
 
     @jax.checkpoint
     def one_segment(x, segment_layers):
-        x, _ = jax.lax.scan(one_layer, x, segment_layers)
-        return x, None
+        return jax.lax.scan(one_layer, x, segment_layers)
 
-    x_BLD, _ = jax.lax.scan(one_segment, x_BLD, grouped)
-    return x_BLD
+    x_BLD, stats = jax.lax.scan(one_segment, x_BLD, grouped)
+    return x_BLD, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)

@@ -113,6 +113,17 @@ class Layout:
 
         return jax.tree_util.tree_map_with_path(expand, layer_state, is_leaf=_is_var)
 
+    def expert_all_to_all(self, x_EGCD: jax.Array, inverse: bool) -> jax.Array:
+        """Inside shard_map: send each expert's slots to the device holding it (and back)."""
+        if self.sizes.get("expert", 1) == 1:
+            return x_EGCD
+        split, concat = (1, 0) if inverse else (0, 1)
+        return jax.lax.all_to_all(x_EGCD, "expert", split, concat, tiled=True)
+
+    def batch_shard_index(self) -> jax.Array:
+        """Inside shard_map: this device's index along the data-parallel axes."""
+        return jax.lax.axis_index(self.data_axes)
+
     def _expand(self, variable: nnx.Variable, path: tuple, layer: jax.Array | None):
         """Shard -> full weight whose gradient is reduce-scattered back onto the shard.
 
@@ -152,10 +163,11 @@ class Layout:
 
     # ---- gradients -------------------------------------------------------------------
     def gradients(self, grad_fn, params, param_specs, batch, *args):
-        """(loss, grads) of the global batch mean; grad_fn(params, local_batch, *args) -> (loss, grads).
+        """(stats, grads) for the global batch; grad_fn(params, local_batch, *args) -> (stats, grads).
 
-        Gradients come back summed over the data-parallel axes, divided by their size (the
-        mean over equal shards), in the `grad_specs` layout.
+        Stats (the loss and any other per-shard averages) and gradients come back summed over
+        the data-parallel axes and divided by their size (the mean over equal shards);
+        gradients are in the `grad_specs` layout.
         """
         is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
         grad_specs = self.grad_specs(params)
@@ -167,8 +179,10 @@ class Layout:
             names = _names(v, len(shape))
             self._zero_dims[_path_key(path)] = zero_dim(logical_to_spec(names, self.rules), shape, names, self.sizes)
         self._stacked = [_path_key(p) for p, v in flat if _is_stacked(v)]
-
-        stacked = self.stacked_mask(params)
+        self._used_axes = {}
+        for path, v in flat:
+            spec = logical_to_spec(_names(v, v.get_value().ndim), self.rules)
+            self._used_axes[_path_key(path)] = {a for e in spec for a in ((e,) if isinstance(e, str) else e or ())}
 
         def per_shard(params, batch, *args):
             target = params
@@ -177,11 +191,12 @@ class Layout:
                                   for p, v in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]}
                 target = self._zero_shards(params)
             with layout_hooks(self):
-                loss, grads = grad_fn(target, batch, *args)
-            loss = jax.lax.psum(loss, self.manual) / self.batch_ways  # (only the last stage's is nonzero)
-            grads = jax.tree.map(lambda g, s, st: self._reduce(g, s, st) / self.batch_ways, grads, grad_specs, stacked,
-                                 is_leaf=is_spec)
-            return loss, grads
+                stats, grads = grad_fn(target, batch, *args)
+            # (a pipeline's loss is nonzero on the last stage only, hence the sum over `stage` too)
+            stats = jax.tree.map(lambda x: jax.lax.psum(x, self.manual) / self.batch_ways, stats)
+            grads = jax.tree_util.tree_map_with_path(lambda p, g: self._reduce(g, _path_key(p)), grads,
+                                                     is_leaf=_is_var)
+            return stats, grads
 
         manual_in = jax.tree.map(lambda s: manual_part(s, self.manual), param_specs, is_leaf=is_spec)
         manual_out = jax.tree.map(lambda s: manual_part(s, self.manual), grad_specs, is_leaf=is_spec)
@@ -190,14 +205,18 @@ class Layout:
                            out_specs=(PartitionSpec(), manual_out))
         return fn(params, batch, *args)
 
-    def _reduce(self, grad: jax.Array, spec: PartitionSpec, stacked: bool) -> jax.Array:
-        """Sum a local gradient over the data-parallel axes (ZeRO-sharded ones are already summed),
-        and a weight shared by all pipeline stages (embedding, final norm) over `stage` too."""
-        if not any(e is not None for e in manual_part(spec, self.data_axes)):
-            grad = jax.lax.psum(grad, self.data_axes)
-        if self.pipelined and not stacked:
-            grad = jax.lax.psum(grad, "stage")
-        return grad
+    def _reduce(self, grad: nnx.Variable, path: tuple) -> nnx.Variable:
+        """Mean of a local gradient over the data-parallel shards: summed over the data-parallel
+        axes its weight is not sharded over (expert weights live on one expert shard each;
+        ZeRO-2/3 ones were reduce-scattered in backward already), over `stage` too for a weight
+        shared by all pipeline stages, then divided by the number of batch shards."""
+        value = grad.get_value()
+        if not (self.zero >= 2 and self._zero_dims[path] is not None):
+            axes = tuple(a for a in self.data_axes if a not in self._used_axes[path])
+            value = jax.lax.psum(value, axes) if axes else value
+        if self.pipelined and path not in self._stacked:
+            value = jax.lax.psum(value, "stage")
+        return grad.replace(value / self.batch_ways)
 
     def stacked_mask(self, params):
         """A tree of bools: True for stacked (per-layer) weights, which pipeline stages split."""

@@ -129,7 +129,7 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
 
     def finish(step: int, metrics) -> None:
         nonlocal last_time
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values = {k: v.tolist() for k, v in jax.device_get(metrics).items()}  # scalars, or lists (per expert)
         now = time.perf_counter()
         step_time, last_time = now - last_time, now
         record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
@@ -192,7 +192,13 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
     val_loss = validation_loss(trainer, state.params, session)
     # An interleaved pipeline stores its stacked layers permuted; the sampler runs the plain model.
     params = trainer.to_model_order(state.params)
-    sample = greedy_sample(trainer.graphdef, params, SAMPLE_PROMPT, SAMPLE_TOKENS, cfg.model.seq_len)
+    moe = cfg.model.moe
+    if moe.experts and moe.router == "expert_choice":
+        sample = None  # each expert picks tokens from the whole group, so generation cannot be causal
+        print("jaxpar: no text sample: expert_choice routing looks at the whole routing group, so the model is "
+              "not causal and cannot generate one token at a time.", file=sys.stderr)
+    else:
+        sample = greedy_sample(trainer.graphdef, params, SAMPLE_PROMPT, SAMPLE_TOKENS, cfg.model.seq_len)
     every_step = history + records
     # The first step of a process includes compilation, so the median leaves it out.
     steady = [r["tokens_per_s"] for r in (records[1:] or records or history)]

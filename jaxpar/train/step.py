@@ -46,11 +46,29 @@ def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array, 
     return _cross_entropy(_model(graphdef, params, precision)(tokens_BT[:, :-1], remat=remat), tokens_BT)
 
 
+def objective(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array, t: TrainConfig, moe,
+              noise_key: jax.Array | None):
+    """(cross-entropy + MoE auxiliary losses, stats): what training minimizes, and what it reports.
+
+    stats: 'loss' (the cross-entropy alone) and, for MoE models, the routing statistics
+    averaged over MoE layers.
+    """
+    model = _model(graphdef, params, t.precision)
+    x_BLD, routing = model.run_blocks(model.embed(tokens_BT[:, :-1]), t.remat, noise_key)
+    loss = _cross_entropy(model.logits(x_BLD), tokens_BT)
+    if not routing:
+        return loss, {"loss": loss}
+    layers_mean = {k: jnp.mean(v, axis=0) for k, v in routing.items()}
+    aux = moe.aux_loss_weight * jnp.sum(routing["aux"]) + moe.z_loss_weight * jnp.sum(routing["z"])
+    return loss + aux, {"loss": loss, "moe_aux_loss": layers_mean["aux"], "moe_z_loss": layers_mean["z"],
+                        "moe_dropped_fraction": layers_mean["dropped"], "moe_expert_tokens": layers_mean["expert_tokens"]}
+
+
 def stage_fns(graphdef: nnx.GraphDef, precision: str, remat: str, scale: jax.Array) -> StageFns:
     """The model cut into embedding, a chunk of layers and head+loss, for the pipeline executors."""
     return StageFns(
         embed=lambda p, tokens_bT: _model(graphdef, p, precision).embed(tokens_bT[:, :-1]),
-        layers=lambda p, x_bLD: _model(graphdef, p, precision).run_blocks(x_bLD, remat),
+        layers=lambda p, x_bLD: _model(graphdef, p, precision).run_blocks(x_bLD, remat)[0],
         head_loss=lambda p, x_bLD, tokens_bT: _cross_entropy(_model(graphdef, p, precision).logits(x_bLD),
                                                              tokens_bT) * scale,
     )
@@ -60,50 +78,54 @@ def pipelined_grads(graphdef, t: TrainConfig, table: Table, layout):
     """grad_fn for Layout.gradients: the local batch cut into microbatches, run through the table."""
     executor = gpipe_value_and_grad if table.schedule == "gpipe" else one_f_one_b_value_and_grad
 
-    def grad_fn(params, tokens_BT, scale):
+    def grad_fn(params, tokens_BT, scale, noise_key):
         B, T = tokens_BT.shape
         M = table.microbatches
         tokens_MbT = tokens_BT.reshape(B // M, M, T).swapaxes(0, 1)
-        return executor(stage_fns(graphdef, t.precision, t.remat, scale), params, layout.stacked_mask(params),
-                        tokens_MbT, table)
+        loss, grads = executor(stage_fns(graphdef, t.precision, t.remat, scale), params, layout.stacked_mask(params),
+                               tokens_MbT, table)
+        return {"loss": loss / scale}, grads
 
     return grad_fn
 
 
 def accumulated_grads(loss_fn: Callable, params, tokens_BT: jax.Array, microbatches: int):
-    """Loss and gradients of the batch mean, summed over `microbatches` slices in fp32.
-
-    Microbatch i takes rows i, i+k, i+2k, ... of the (local) batch.
+    """(stats, gradients) of loss_fn(params, tokens) -> (objective, stats), for the batch mean,
+    summed over `microbatches` slices in fp32. Microbatch i takes rows i, i+k, i+2k, ...
     """
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.grad(loss_fn, has_aux=True)
     if microbatches == 1:
-        return grad_fn(params, tokens_BT)
+        grads, stats = grad_fn(params, tokens_BT)
+        return stats, grads
     B, T = tokens_BT.shape
     micro_KBT = tokens_BT.reshape(B // microbatches, microbatches, T).swapaxes(0, 1)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zero_stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(loss_fn, params, micro_KBT[0])[1])
 
     def add_one(carry, tokens_bT):
-        loss_sum, grad_sum = carry
-        loss, grads = grad_fn(params, tokens_bT)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+        stats_sum, grad_sum = carry
+        grads, stats = grad_fn(params, tokens_bT)
+        return (jax.tree.map(jnp.add, stats_sum, stats), jax.tree.map(jnp.add, grad_sum, grads)), None
 
-    (loss_sum, grad_sum), _ = jax.lax.scan(add_one, (jnp.zeros((), jnp.float32), zeros), micro_KBT)
-    return loss_sum / microbatches, jax.tree.map(lambda g: g / microbatches, grad_sum)
+    (stats_sum, grad_sum), _ = jax.lax.scan(add_one, (zero_stats, zeros), micro_KBT)
+    mean = lambda tree: jax.tree.map(lambda g: g / microbatches, tree)  # noqa: E731
+    return mean(stats_sum), mean(grad_sum)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, t: TrainConfig,
-                    layout, param_specs, pipeline: Table | None = None, stale_weights: bool = False):
+                    layout, param_specs, pipeline: Table | None = None, stale_weights: bool = False, moe=None):
     """Build the pure step for one layout (a jaxpar.parallel.Layout), pipelined when a table is given.
 
     stale_weights (PipeDream-2BW): gradients are taken on the weights one step old
-    (state.stale_params) and applied to the current ones.
+    (state.stale_params) and applied to the current ones. moe: the model's MoEConfig (loss weights).
     """
 
-    def accumulated(params, tokens_BT, scale):
-        def scaled_loss(p, tokens):
-            return token_loss(graphdef, p, tokens, t.precision, t.remat) * scale
+    def accumulated(params, tokens_BT, scale, noise_key):
+        def scaled_objective(p, tokens):
+            value, stats = objective(graphdef, p, tokens, t, moe, noise_key)
+            return value * scale, stats
 
-        return accumulated_grads(scaled_loss, params, tokens_BT, t.grad_accum)
+        return accumulated_grads(scaled_objective, params, tokens_BT, t.grad_accum)
 
     local_grads = accumulated if pipeline is None else pipelined_grads(graphdef, t, pipeline, layout)
 
@@ -111,8 +133,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         scale = state.loss_scale.scale
         # 2BW: gradients on the weights one step old, applied to the current weights.
         grad_params = state.stale_params if stale_weights else state.params
-        loss, grads = layout.gradients(local_grads, grad_params, param_specs, tokens_BT, scale)
-        loss, grads = loss / scale, jax.tree.map(lambda g: g / scale, grads)
+        noise_key = jax.random.fold_in(jax.random.PRNGKey(t.seed), state.step)  # same on every layout
+        stats, grads = layout.gradients(local_grads, grad_params, param_specs, tokens_BT, scale, noise_key)
+        grads = jax.tree.map(lambda g: g / scale, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss_scale = state.loss_scale
@@ -123,8 +146,12 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                                              (params, opt_state), (state.params, state.opt_state))
             loss_scale = (loss_scale.update(finite, t.loss_scale_window) if t.precision == "fp16"
                           else loss_scale.count_skip(finite))
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
+        metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
                    "loss_scale": state.loss_scale.scale, "skipped_steps": loss_scale.skipped_steps}
+        if "moe_expert_tokens" in stats:  # per data shard -> whole batch, and its spread across experts
+            counts = stats["moe_expert_tokens"] * layout.batch_ways
+            metrics["moe_expert_tokens"] = counts
+            metrics["moe_load_cv"] = jnp.std(counts) / jnp.maximum(jnp.mean(counts), 1e-9)
         if pipeline is not None:
             metrics["pipeline_idle_fraction"] = jnp.asarray(pipeline.idle_fraction, jnp.float32)
         stale = state.params if stale_weights else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,7 @@ class Trainer:
                               if self.pipeline else 1)
         self._storage = None if order == sorted(order) else np.asarray(order)
         train_step = make_train_step(self.graphdef, self.tx, self.schedule, cfg.train, self.layout, param_specs,
-                                     self.pipeline, stale_weights=self.two_bw)
+                                     self.pipeline, stale_weights=self.two_bw, moe=cfg.model.moe)
         self.step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                             out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
         self.eval_loss = jax.jit(make_eval_step(self.graphdef, cfg.train.precision, self.layout, self.to_model_order),
@@ -64,6 +65,10 @@ class Trainer:
 
     def init(self) -> TrainState:
         """Create the initial state directly in its sharded layout."""
+        return self._create()
+
+    @functools.cached_property
+    def _create(self):
         cfg = self.cfg
 
         def create():
@@ -71,15 +76,17 @@ class Trainer:
             return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params),
                               LossScale.initial(cfg.train.precision), params if self.two_bw else None)
 
-        return jax.jit(create, out_shardings=self.state_shardings)()
+        return jax.jit(create, out_shardings=self.state_shardings)
 
     def _permute_layers(self, tree, index):
         def one(v):
             if not isinstance(v, nnx.Variable):
                 return v
             names = v.get_metadata().get("out_sharding") or ()
-            stacked = bool(names) and names[0] == "layers" and len(names) == v.get_value().ndim
-            return v.replace(jnp.take(v.get_value(), index, axis=0)) if stacked else v
+            value = v.get_value()
+            # every leaf stacked over layers: weights, Adam moments, and Adafactor's factored statistics
+            stacked = bool(names) and names[0] == "layers" and value.ndim >= 1 and value.shape[0] == len(self._storage)
+            return v.replace(jnp.take(value, index, axis=0)) if stacked else v
 
         return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
