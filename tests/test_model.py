@@ -35,10 +35,11 @@ def test_megatron_layout_of_the_weights():
     mesh = make_mesh({"data": 4, "tensor": 2, "expert": 1, "stage": 1}, jax.devices())
     specs = Layout(mesh).param_specs(nnx.state(model))
     blocks = specs["blocks"]
-    assert blocks["mlp"]["w_up"].get_value() == P(None, None, "tensor")      # column split
-    assert blocks["mlp"]["w_down"].get_value() == P(None, "tensor", None)    # row split
-    assert blocks["attn"]["w_qkv"].get_value() == P(None, None, None, "tensor", None)  # by heads
-    assert blocks["attn"]["wo"].get_value() == P(None, "tensor", None, None)
+    # the stacked layers dimension goes to the pipeline axis `stage` (size 1 here)
+    assert blocks["mlp"]["w_up"].get_value() == P("stage", None, "tensor")      # column split
+    assert blocks["mlp"]["w_down"].get_value() == P("stage", "tensor", None)    # row split
+    assert blocks["attn"]["w_qkv"].get_value() == P("stage", None, None, "tensor", None)  # by heads
+    assert blocks["attn"]["wo"].get_value() == P("stage", "tensor", None, None)
     assert specs["embedding"].get_value() == P("tensor", None)               # vocab-parallel
     assert logical_to_spec(("batch", "seq", "embed")) == P(("data", "expert"), None, None)
 
