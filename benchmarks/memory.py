@@ -26,7 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxpar.config import load_config, validate
+from jaxpar.config import load_config
+from jaxpar.validation import validate
 from jaxpar.runtime import make_mesh, setup_devices
 
 MODEL_A = ["model.d_model=256", "model.n_layers=11", "model.n_heads=8", "model.d_ff=1024", "mesh.data=8"]

@@ -38,7 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxpar.config import load_config, validate
+from jaxpar.config import load_config
+from jaxpar.validation import validate
 from jaxpar.runtime import make_mesh, setup_devices
 
 STAGES, DATA, MICROBATCHES = 4, 2, (4, 8, 16, 32)

@@ -23,7 +23,8 @@ import statistics
 import sys
 import time
 
-from jaxpar.config import ConfigError, load_config, validate
+from jaxpar.config import ConfigError, load_config
+from jaxpar.validation import validate
 from jaxpar.runtime import setup_devices
 
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).

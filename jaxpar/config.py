@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import typing
 from pathlib import Path
 from typing import Literal, Union
@@ -238,11 +237,12 @@ def _parse_scalar(text: str):
         return text
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+def flatten_dict(tree: dict, sep: str = ".", prefix: str = "") -> dict[str, object]:
+    """{'a': {'b': 1}} -> {'a.b': 1} (with `sep` between the keys)."""
     flat = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_dict(value, sep, f"{prefix}{key}{sep}"))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
@@ -258,7 +258,7 @@ def _set_path(obj, parts: list[str], value):
 def apply_overrides(cfg: Config, overrides: dict) -> Config:
     """Apply {'section.key': value} (or nested {'section': {key: value}}) overrides, with type checks."""
     types = _leaf_types(Config)
-    for key, value in _flatten(overrides).items():
+    for key, value in flatten_dict(overrides).items():
         if key not in types:
             raise _unknown_key(key)
         typ = types[key]
@@ -316,117 +316,3 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
         pairs = dict(parse_override(o) for o in overrides) if isinstance(overrides, list) else overrides
         cfg = apply_overrides(cfg, pairs)
     return cfg
-
-
-def resolve_mesh(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
-    """Axis sizes with -1 filled in; raises ConfigError unless they multiply to n_devices."""
-    sizes = {a: getattr(mesh, a) for a in MESH_AXES}
-    for axis, size in sizes.items():
-        if size == 0 or size < -1:
-            raise ConfigError(f"mesh.{axis} must be a positive size or -1, got {size}.")
-    free = [a for a, s in sizes.items() if s == -1]
-    if len(free) > 1:
-        raise ConfigError(f"only one mesh axis may be -1, but {', '.join('mesh.' + a for a in free)} all are.")
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    if free:
-        if n_devices % fixed:
-            named = ", ".join(f"mesh.{a}={s}" for a, s in sizes.items() if s > 1)
-            raise ConfigError(f"the fixed mesh axes ({named}) multiply to {fixed}, which does not divide "
-                              f"the {n_devices} devices.")
-        sizes[free[0]] = n_devices // fixed
-    elif fixed != n_devices:
-        raise ConfigError(f"the mesh axes multiply to {fixed} but there are {n_devices} devices.")
-    return sizes
-
-
-def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
-    p, S, L = cfg.parallel.pipeline, sizes["stage"], cfg.model.n_layers
-    if p.microbatches <= 0 or p.virtual <= 0:
-        raise ConfigError("parallel.pipeline.microbatches and parallel.pipeline.virtual must be positive.")
-    if p.virtual > 1 and p.schedule != "interleaved":
-        raise ConfigError(f"parallel.pipeline.virtual={p.virtual} needs parallel.pipeline.schedule=interleaved.")
-    if S == 1:
-        return
-    v = p.virtual if p.schedule == "interleaved" else 1
-    if L % (S * v):
-        raise ConfigError(f"model.n_layers={L} is not divisible by mesh.stage x virtual stages = {S} x {v}.")
-    if p.schedule in ("1f1b", "2bw", "interleaved") and p.microbatches < S:
-        raise ConfigError(f"the {p.schedule} schedule needs at least as many microbatches as stages, "
-                          f"got parallel.pipeline.microbatches={p.microbatches} < mesh.stage={S}.")
-    if p.schedule == "interleaved" and p.microbatches % S:
-        raise ConfigError(f"interleaved 1F1B needs parallel.pipeline.microbatches={p.microbatches} to be a "
-                          f"multiple of mesh.stage={S}.")
-    if cfg.train.grad_accum > 1:
-        raise ConfigError("with mesh.stage > 1, use parallel.pipeline.microbatches instead of train.grad_accum.")
-    ways = sizes["data"] * sizes["expert"] * p.microbatches
-    if cfg.train.batch_size % ways:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by mesh.data x mesh.expert x "
-                          f"parallel.pipeline.microbatches = {sizes['data']} x {sizes['expert']} x {p.microbatches}.")
-    if cfg.parallel.zero == 2 and v > 1:
-        raise ConfigError("parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3.")
-
-
-def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
-    moe, m, t = cfg.model.moe, cfg.model, cfg.train
-    if moe.experts < 0:
-        raise ConfigError(f"model.moe.experts must be 0 (dense) or positive, got {moe.experts}.")
-    if moe.experts == 0:
-        return  # a dense model uses the expert axis as extra data parallelism
-    if moe.experts % sizes["expert"]:
-        raise ConfigError(f"model.moe.experts={moe.experts} is not divisible by mesh.expert={sizes['expert']}.")
-    if moe.every <= 0 or m.n_layers % moe.every:
-        raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by model.moe.every={moe.every}.")
-    if moe.router == "topk" and not 0 < moe.top_k <= moe.experts:
-        raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.experts={moe.experts}.")
-    if moe.capacity_factor <= 0:
-        raise ConfigError(f"model.moe.capacity_factor must be positive, got {moe.capacity_factor}.")
-    tokens = t.batch_size // (sizes["data"] * sizes["expert"] * t.grad_accum) * m.seq_len
-    if moe.group_size <= 0 or tokens % moe.group_size:
-        raise ConfigError(f"model.moe.group_size={moe.group_size} does not divide the {tokens} tokens per device "
-                          f"(train.batch_size / (data x expert x grad_accum) x model.seq_len).")
-    if sizes["stage"] > 1:
-        raise ConfigError("mixture of experts with mesh.stage > 1 is not supported yet.")
-    if t.grad_accum > 1 and moe.noise and moe.router == "topk":
-        raise ConfigError("noisy top-k routing draws noise per routing group of the whole batch, so it cannot be "
-                          "combined with train.grad_accum > 1; set model.moe.noise=false.")
-
-
-def validate(cfg: Config, n_devices: int) -> dict[str, int]:
-    """Check every cross-field constraint before anything is compiled; return mesh sizes."""
-    sizes = resolve_mesh(cfg.mesh, n_devices)
-    m, t = cfg.model, cfg.train
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
-        if getattr(m, key) <= 0:
-            raise ConfigError(f"model.{key} must be positive, got {getattr(m, key)}.")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}.")
-    if m.positions == "rope" and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"rotary positions need an even head size, but model.d_model / model.n_heads = "
-                          f"{m.d_model // m.n_heads}.")
-    tensor = sizes["tensor"]
-    for key in ("n_heads", "d_ff", "vocab_size"):
-        if getattr(m, key) % tensor:
-            raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by mesh.tensor={tensor}.")
-    for key in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
-        if getattr(t, key) <= 0:
-            raise ConfigError(f"train.{key} must be positive, got {getattr(t, key)}.")
-    if t.lr <= 0 or t.warmup < 0 or t.clip_norm <= 0 or t.weight_decay < 0:
-        raise ConfigError("train.lr and train.clip_norm must be positive, train.warmup and train.weight_decay non-negative.")
-    batch_ways = sizes["data"] * sizes["expert"] * t.grad_accum
-    if t.batch_size % batch_ways:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by mesh.data x mesh.expert x train.grad_accum"
-            f" = {sizes['data']} x {sizes['expert']} x {t.grad_accum}.")
-    _validate_pipeline(cfg, sizes)
-    _validate_moe(cfg, sizes)
-    if cfg.parallel.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {cfg.parallel.zero}.")
-    if t.lr_schedule_steps < 0:
-        raise ConfigError(f"train.lr_schedule_steps must be 0 (follow train.steps) or positive, got {t.lr_schedule_steps}.")
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep <= 0:
-        raise ConfigError("checkpoint.every must be 0 (off) or positive, and checkpoint.keep positive.")
-    if t.loss_scale_window <= 0:
-        raise ConfigError(f"train.loss_scale_window must be positive, got {t.loss_scale_window}.")
-    if not 0 < cfg.data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
-    return sizes

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.config import Config, validate
+from jaxpar.config import Config
+from jaxpar.validation import validate
 from jaxpar.data import BatchSampler, load_tokens, split_tokens
 from jaxpar.runtime import make_mesh, setup_devices
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxpar.config import Config
+from jaxpar.config import Config, flatten_dict
 from jaxpar.errors import UserError
 from jaxpar.train.precision import LossScale
 from jaxpar.train.step import TrainState
@@ -79,14 +79,8 @@ def _nest(flat: dict[str, object]) -> dict:
     return out
 
 
-def _unnest(tree: dict, prefix: str = "") -> dict[str, object]:
-    flat = {}
-    for name, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_unnest(value, f"{prefix}{name}/"))
-        else:
-            flat[f"{prefix}{name}"] = value
-    return flat
+def _unnest(tree: dict) -> dict[str, object]:
+    return flatten_dict(tree, sep="/")
 
 
 STALE, PARAMS = "stale_params/", "params/"
