@@ -64,3 +64,13 @@ def test_switch_drops_fewer_tokens_with_more_capacity():
         dropped.append(_metrics(session, trainer)["moe_dropped_fraction"])
     assert dropped[0] > dropped[1] >= dropped[2] >= 0.0
     assert dropped[0] > 0.0
+
+
+def test_moe_model_trains_and_samples_text(session_for):
+    """Generation feeds one short window (fewer tokens than a routing group): routed as one group."""
+    from jaxpar.train.loop import train
+
+    summary = train(session_for(*MOE, "model.moe.router=topk", "mesh.data=2", "mesh.expert=4", "train.steps=3",
+                                "train.eval_batches=1"), progress=False)
+    assert summary["final_loss"] < summary["first_loss"]
+    assert summary["sample"].startswith("The ") and len(summary["sample"]) > 100

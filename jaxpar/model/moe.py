@@ -26,8 +26,7 @@ class MoE(nnx.Module):
         moe, D, F = cfg.moe, cfg.d_model, cfg.d_ff
         E = moe.experts
         self.router, self.top_k, self.noise = moe.router, moe.top_k, moe.noise
-        self.group_size = moe.group_size
-        self.capacity = routers.capacity(moe.router, moe.group_size, E, moe.top_k, moe.capacity_factor)
+        self.group_size, self.capacity_factor = moe.group_size, moe.capacity_factor
         self.w_router = param(rngs.params(), (D, E), ("embed", None), D ** -0.5)
         self.w_noise = (nnx.Param(jnp.zeros((D, E), jnp.float32), out_sharding=("embed", None), eager_sharding=False)
                         if moe.router == "topk" else None)
@@ -36,12 +35,15 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array, noise_key: jax.Array | None = None):
         B, L, D = x_BLD.shape
-        S = self.group_size
+        # Training batches hold whole groups (validated); a shorter input (generating one
+        # sequence) is routed as one group per sequence.
+        S = self.group_size if (B * L) % self.group_size == 0 else L
         x_GSD = x_BLD.reshape(B * L // S, S, D)
         G = x_GSD.shape[0]
         x32_GSD = x_GSD.astype(jnp.float32)
         logits_GSE = jnp.einsum("GSD,DE->GSE", x32_GSD, self.w_router[...].astype(jnp.float32))
-        E, C = logits_GSE.shape[-1], self.capacity
+        E = logits_GSE.shape[-1]
+        C = routers.capacity(self.router, S, E, self.top_k, self.capacity_factor)
         if self.router == "switch":
             dispatch, combine, balance, dropped = routers.switch(logits_GSE, C)
         elif self.router == "expert_choice":
