@@ -1,7 +1,5 @@
 """fp16 with dynamic loss scaling: skips overflowing steps exactly, rescues underflowing gradients."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,24 +8,27 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.data import BatchSampler, load_tokens
 from jaxpar.model import Transformer
-from jaxpar.train.loop import train
 from jaxpar.train.precision import INITIAL_FP16_SCALE, LossScale
 from jaxpar.train.step import token_loss
 from jaxpar.train.trainer import Trainer
 
 
-def test_fp16_follows_the_fp32_loss_curve(session_for, tmp_path):
+def test_fp16_follows_the_fp32_loss_curve(session_for):
+    """The default model, 100 steps: fp16 with loss scaling stays within 2% of fp32 at every step."""
     losses = {}
     for precision in ("fp32", "fp16"):
-        run_dir = tmp_path / precision
-        train(session_for("mesh.data=4", "mesh.tensor=2", "train.steps=100", "train.log_every=1",
-                          "train.eval_batches=1", f"train.precision={precision}", f"run.dir={run_dir}"),
-              progress=False)
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        losses[precision] = np.array([r["loss"] for r in records])
-    assert len(losses["fp16"]) == 100
+        session = session_for("mesh.data=8", "train.steps=100", f"train.precision={precision}")
+        trainer = Trainer(session.cfg, session.mesh())
+        state, history = trainer.init(), []
+        for index in range(100):
+            state, metrics = trainer.step(state, trainer.put_batch(session.train_data.batch(index)))
+            # read each step (as the training loop does): a deep queue of steps can starve
+            # XLA:CPU's emulated devices of threads at their collectives
+            history.append(jax.device_get(metrics))
+        losses[precision] = np.array([float(m["loss"]) for m in history])
     assert np.max(np.abs(losses["fp16"] - losses["fp32"]) / losses["fp32"]) < 0.02
-    assert records[-1]["loss_scale"] == INITIAL_FP16_SCALE and records[-1]["skipped_steps"] == 0
+    assert losses["fp16"][-1] < 0.6 * losses["fp16"][0]
+    assert float(history[-1]["loss_scale"]) == INITIAL_FP16_SCALE and int(history[-1]["skipped_steps"]) == 0
 
 
 def test_overflowing_step_is_skipped_and_the_scale_halves(session_for):

@@ -27,8 +27,17 @@ def test_default_model_loss_falls_on_data4_tensor2(tmp_path, capsys):
 
 def test_same_seed_same_run(session_for):
     """Two runs of the same config produce identical losses (deterministic data and init)."""
-    from jaxpar.train.loop import train
+    import jax
 
-    first = train(session_for("train.steps=3", "mesh.data=8", "train.eval_batches=1"), progress=False)
-    second = train(session_for("train.steps=3", "mesh.data=8", "train.eval_batches=1"), progress=False)
-    assert first["final_loss"] == second["final_loss"] and first["val_loss"] == second["val_loss"]
+    from jaxpar.train.trainer import Trainer
+
+    runs = []
+    for _ in range(2):
+        session = session_for("train.steps=3", "mesh.data=8")
+        trainer = Trainer(session.cfg, session.mesh())
+        state, losses = trainer.init(), []
+        for index in range(3):
+            state, metrics = trainer.step(state, trainer.put_batch(session.train_data.batch(index)))
+            losses.append(metrics["loss"])
+        runs.append(jax.device_get(losses))
+    assert runs[0] == runs[1]
