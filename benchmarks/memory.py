@@ -4,16 +4,17 @@ Usage:
     python benchmarks/memory.py [key=value ...]
 
 Nothing is trained: each layout's train step is lowered and compiled, then measured with
-`jaxpar.plan.measure_step` (XLA's `memory_analysis()` and `cost_analysis()`, the state's
-shardings, and the collectives in the HLO text). Two tables are printed as markdown:
+`jaxpar.plan.measure_step` (XLA's `memory_analysis()`, the state's shardings, and the
+matmul FLOPs and collectives read from the HLO text). Two tables are printed as markdown:
   A. per-device MiB of parameters, optimizer state, gradients (after reduction),
      temporaries and arguments, plus reduce-scatter / all-reduce / all-gather bytes per step,
      for ZeRO stage 0-3 x optimizer {adamw, adafactor} on an 8.7M-parameter model on data=8
      (`key=value` overrides apply to this model);
   B. temporary MiB against the number of layers L in {4, 8, 16, 32} for each remat policy
      {none, full, dots, sqrt} (seq 256, global batch 64, data=8), and the FLOPs of each policy
-     relative to none at L=32. FLOPs are XLA's `cost_analysis()` figures; the per-L FLOPs of
-     remat=none are printed under the table so their growth with L can be checked.
+     relative to none at L=32. FLOPs are matmul FLOPs per step with loop trip counts
+     multiplied in (XLA's `cost_analysis()` counts a scanned layer body once); the per-L FLOPs
+     of remat=none are printed under the table so their growth with L can be checked.
 It writes both as a two-panel figure to benchmarks/results/memory.png; the last line printed
 is one JSON object with every number. On a CPU-only host 8 devices are emulated.
 """
@@ -106,7 +107,7 @@ def markdown_b(remat: dict) -> str:
                   f"{remat[policy][top]['flops'] / base['flops']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     per_l = ", ".join(f"L={n}: {remat['none'][n]['flops']:.4g}" for n in LAYERS)
-    lines.append(f"\nFLOPs per step (XLA cost_analysis), remat=none: {per_l}")
+    lines.append(f"\nmatmul FLOPs per step and device, remat=none: {per_l}")
     return "\n".join(lines)
 
 

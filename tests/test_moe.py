@@ -62,7 +62,8 @@ def test_expert_choice_fills_every_expert_exactly():
 def test_switch_drops_fewer_tokens_with_more_capacity():
     dropped = []
     for factor in (0.5, 1.0, 2.0):
-        session, trainer = _trainer("model.moe.router=switch", "mesh.data=8", f"model.moe.capacity_factor={factor}")
+        session, trainer = _trainer("model.moe.router=switch", "mesh.data=8", f"model.moe.capacity_factor={factor}",
+                                    *SMALL)
         dropped.append(_metrics(session, trainer)["moe_dropped_fraction"])
     assert dropped[0] > dropped[1] >= dropped[2] >= 0.0
     assert dropped[0] > 0.0
@@ -72,7 +73,7 @@ def test_moe_model_trains_and_samples_text(session_for):
     """Generation feeds one short window (fewer tokens than a routing group): routed as one group."""
     from jaxpar.train.loop import train
 
-    summary = train(session_for(*MOE, "model.moe.router=topk", "mesh.data=2", "mesh.expert=4", "train.steps=3",
-                                "train.eval_batches=1"), progress=False)
+    summary = train(session_for(*MOE, *SMALL, "model.moe.router=topk", "mesh.data=2", "mesh.expert=4",
+                                "train.steps=3", "train.eval_batches=1"), progress=False)
     assert summary["final_loss"] < summary["first_loss"]
     assert summary["sample"].startswith("The ") and len(summary["sample"]) > 100
