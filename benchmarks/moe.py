@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +55,7 @@ BASE = [*MODEL, *ARGS.overrides]
 DEVICES = setup_devices(load_config(None, [f"run.dir={os.devnull}", *BASE]))
 
 import jax  # noqa: E402
+from timing import time_steps  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpar.data import BatchSampler, load_tokens, split_tokens  # noqa: E402
@@ -82,16 +82,8 @@ def throughput_row(router: str, expert: int, batches: list[np.ndarray]) -> dict:
                              f"mesh.expert={expert}", f"mesh.data={len(DEVICES) // expert}"])
     trainer = Trainer(cfg, make_mesh(validate(cfg, len(DEVICES)), DEVICES))
     all_to_all = measure_step(trainer)["collectives"].get("all-to-all", 0)
-    state, times = trainer.init(), []
-    for i, host in enumerate(batches):
-        batch = jax.block_until_ready(trainer.put_batch(host))
-        tick = time.perf_counter()
-        state, metrics = trainer.step(state, batch)
-        jax.block_until_ready((state, metrics))
-        if i >= ARGS.warmup:
-            times.append(time.perf_counter() - tick)
+    seconds, metrics, _ = time_steps(trainer.step, trainer.init(), trainer.put_batch, batches, ARGS.warmup)
     last = jax.device_get(metrics)
-    seconds = statistics.median(times)
     print(f"{router} expert={expert}: {seconds * 1e3:.1f} ms/step, done in {time.perf_counter() - start:.1f} s",
           file=sys.stderr)
     return {"router": router, "expert": expert, "data": len(DEVICES) // expert, "median_step_ms": seconds * 1e3,

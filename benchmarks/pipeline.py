@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,7 @@ BASE = [f"run.dir={os.devnull}", *MODEL, *ARGS.overrides]
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).
 DEVICES = setup_devices(load_config(None, BASE))
 
-import jax  # noqa: E402
+from timing import time_steps  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpar.data import BatchSampler, load_tokens, split_tokens  # noqa: E402
@@ -88,15 +87,7 @@ def run_layout(label: str, overrides: list[str], batches: list[np.ndarray]) -> d
     cfg = load_config(None, [*BASE, *overrides])
     trainer = Trainer(cfg, make_mesh(validate(cfg, len(DEVICES)), DEVICES))
     plan = measure_step(trainer)
-    state, times = trainer.init(), []
-    for i, host in enumerate(batches):
-        batch = jax.block_until_ready(trainer.put_batch(host))
-        tick = time.perf_counter()
-        state, out = trainer.step(state, batch)
-        jax.block_until_ready((state, out))
-        if i >= ARGS.warmup:
-            times.append(time.perf_counter() - tick)
-    seconds = statistics.median(times)
+    seconds, _, _ = time_steps(trainer.step, trainer.init(), trainer.put_batch, batches, ARGS.warmup)
     tokens = cfg.train.batch_size * cfg.model.seq_len
     print(f"{label}: {seconds * 1e3:.1f} ms/step, done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return {"flops": plan["flops"], "temp_bytes": plan["temp_bytes"], "median_step_ms": seconds * 1e3,

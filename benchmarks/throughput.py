@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 from jaxpar.config import ConfigError, load_config
 from jaxpar.validation import validate
@@ -46,6 +44,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from timing import time_steps  # noqa: E402
 from jaxpar.data import BatchSampler, load_tokens, split_tokens  # noqa: E402
 from jaxpar.model import Transformer  # noqa: E402
 from jaxpar.runtime import make_mesh  # noqa: E402
@@ -64,20 +63,8 @@ def host_batches(cfg, count: int) -> list[np.ndarray]:
 
 
 def median_step_seconds(step, state, put, batches: list[np.ndarray], warmup: int) -> float:
-    """Run `state, out = step(state, batch)` over the batches; median time of those after `warmup`.
-
-    Each batch is transferred (and waited for) before its timer starts, so host-to-device
-    copies are excluded for every row alike; each step is waited for before its timer stops.
-    """
-    times = []
-    for i, host in enumerate(batches):
-        batch = jax.block_until_ready(put(host))
-        start = time.perf_counter()
-        state, out = step(state, batch)
-        jax.block_until_ready((state, out))
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of the steps after `warmup` (see timing.time_steps)."""
+    return time_steps(step, state, put, batches, warmup)[0]
 
 
 def baseline_seconds(cfg, device, batches: list[np.ndarray], warmup: int) -> float:
