@@ -2,14 +2,15 @@
 
 It gives the shardings of every part of the training state and computes gradients with
 one mechanism for every ZeRO stage: the loss is differentiated per data-parallel shard
-inside `jax.shard_map` (manual over the data-parallel axes, automatic over `tensor` and
-the rest), then each gradient is reduced with `psum` (replicated result, stages 0-1) or
-`psum_scatter` (a true reduce-scatter, stages 2-3). Under stage 3 a parameter arrives as
-its local shard and is all-gathered where it is used: per layer inside the layer scan, so
-about one layer's full weights exist at a time; autodiff turns that gather into the
-reduce-scatter of its gradient.
+inside `jax.shard_map` (manual over the data-parallel axes, and over `stage` when
+pipelining; automatic over `tensor`), then each gradient is summed with `psum` over the
+data-parallel axes its weight is not sharded on (stages 0-1), or reduce-scattered layer by
+layer during backward (stages 2-3): ZeRO-3 all-gathers each layer's weight shards inside the
+layer scan (autodiff turns the gather into the reduce-scatter), ZeRO-2 looks the replicated
+weight up and a custom VJP reduce-scatters its gradient onto the shard. Inside the same
+shard_map the layout provides the model's hooks: activation constraints on the automatic
+axes, and the all-to-all of expert parallelism over `expert`.
 """
-
 from __future__ import annotations
 
 import functools
