@@ -1,4 +1,4 @@
-"""The `jaxpar` command line: train, verify, plan and schedule.
+"""The `jaxpar` command line: train, verify, plan, schedule and launch.
 
 User mistakes (config, devices, data, a checkpoint that does not fit the config) end in one
 sentence on stderr and exit code 2, before anything is compiled. A training run whose loss
@@ -45,6 +45,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_DIVERGED
     if "preempted" in summary:
         return 0  # the loop has said where the checkpoint is
+    import jax
+
+    if jax.process_index() != 0:
+        return 0  # process 0 reports for the whole run
     if summary["final_loss"] is not None:
         print(f"\nfinal train loss {summary['final_loss']:.4f} (first step {summary['first_loss']:.4f}), "
               f"validation loss {summary['val_loss']:.4f}, {summary['tokens_per_s_median']:.0f} tokens/s (median)")
@@ -106,6 +110,13 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from jaxpar.launch import launch
+
+    command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+    return launch(args.processes, command, args.devices_per_process, args.grace, args.verbose)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for all subcommands."""
     parser = argparse.ArgumentParser(prog="jaxpar", description="Train transformer LMs across many devices with JAX.")
@@ -128,20 +139,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="compare a layout against the single-device reference")
     p.add_argument("settings", nargs="*", help=settings_help)
     p.set_defaults(run=cmd_verify)
+    p = sub.add_parser("launch", help="run a jaxpar command as N local processes of one distributed run",
+                       usage="jaxpar launch --processes N [--devices-per-process K] -- train|verify|plan ...")
+    p.add_argument("--processes", type=int, required=True, help="number of processes N")
+    p.add_argument("--devices-per-process", type=int, help="devices per process K (emulated CPU devices, or GPUs)")
+    p.add_argument("--grace", type=float, default=60.0,
+                   help="seconds the others get to stop by themselves after one process fails (default 60)")
+    p.add_argument("--verbose", action="store_true", help="also show the JAX runtime's own log lines")
+    p.add_argument("command_args", nargs=argparse.REMAINDER, help="-- then the jaxpar command and its settings")
+    p.set_defaults(run=cmd_launch)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxpar` console script."""
+    from jaxpar import distributed
+
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
     except UserError as e:
-        print(f"jaxpar: error: {e}", file=sys.stderr)
+        distributed.abandon()
+        if not distributed.is_secondary():  # every process finds the same mistake; process 0 says it once
+            print(f"jaxpar: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        distributed.abandon()
         print("jaxpar: interrupted.", file=sys.stderr)
         return 130
+    except Exception:
+        distributed.wait_for_lost_peer()  # a peer's death surfaces here as a failed collective
+        distributed.abandon()
+        raise
+    distributed.finish()  # in a multi-process run: wait for the others before the watchdog stops
+    return code
 
 
 if __name__ == "__main__":

@@ -56,12 +56,19 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh axis sizes; -1 on one axis means "all remaining devices"."""
+    """Mesh axis sizes; -1 on one axis means "all remaining devices".
+
+    `hosts` names the axes that may span processes (hosts), in the order they take them:
+    in a multi-process run the processes are split over these axes and every other axis
+    stays inside one process, on the fast intra-host links. Naming tensor or expert here
+    forces them across processes.
+    """
 
     data: int = -1
     tensor: int = 1
     expert: int = 1
     stage: int = 1
+    hosts: str = "data,stage"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +129,12 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Output folder and device selection ('auto', or a device count)."""
+    """Output folder, device selection ('auto', or a device count) and, for multi-process runs,
+    how long a silent process may go before the others declare it lost (seconds)."""
 
     dir: str = "runs/default"
     devices: Union[int, str] = "auto"
+    heartbeat_timeout: float = 30.0
 
 
 @dataclasses.dataclass(frozen=True)

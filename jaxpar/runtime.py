@@ -1,7 +1,9 @@
-"""Devices and meshes: host-device emulation on CPU, accelerator discovery, mesh construction.
+"""Devices and meshes: host-device emulation on CPU, accelerator discovery, the distributed
+runtime for multi-process runs, and mesh construction (hybrid intra-/inter-host meshes).
 
 `setup_devices` must run before jax initializes its backends: on a CPU-only host it sets
-XLA_FLAGS=--xla_force_host_platform_device_count so that an 8-device mesh "just works".
+XLA_FLAGS=--xla_force_host_platform_device_count so that an 8-device mesh "just works", and
+in a multi-process run it joins the JAX distributed runtime first.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import os
 import re
 import sys
 
-from jaxpar.config import MESH_AXES, Config, ConfigError
+from jaxpar import distributed
+from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig
+from jaxpar.validation import host_split
 
 DEFAULT_CPU_DEVICES = 8
 _ACCELERATOR_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm7-plugin", "libtpu")
@@ -28,7 +32,7 @@ def requested_devices(cfg: Config) -> int | None:
     raise ConfigError(f"run.devices must be 'auto' or a positive number, got {value!r}.")
 
 
-def _has_accelerator_plugin() -> bool:
+def has_accelerator_plugin() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms and set(platforms.split(",")) <= {"cpu"}:
         return False
@@ -60,11 +64,21 @@ def _jax_backend_started() -> bool:
 def setup_devices(cfg: Config) -> list:
     """Prepare and return the devices this run uses (emulated on a CPU-only host)."""
     wanted = requested_devices(cfg)
-    if not _has_accelerator_plugin():
-        _emulate_cpu_devices(max(wanted or DEFAULT_CPU_DEVICES, DEFAULT_CPU_DEVICES))
+    setup = distributed.from_environment()
+    on_cpu = not has_accelerator_plugin()
+    if on_cpu:
+        per_process = distributed.local_device_count()
+        _emulate_cpu_devices(per_process or max(wanted or DEFAULT_CPU_DEVICES, DEFAULT_CPU_DEVICES))
+    if setup is not None:
+        distributed.initialize(setup, cfg.run.heartbeat_timeout, on_cpu)
     import jax
 
     devices = jax.devices()
+    if jax.process_count() > 1:
+        if wanted is not None and wanted != len(devices):
+            raise ConfigError(f"run.devices={wanted} but a multi-process run uses all {len(devices)} devices of its "
+                              f"{jax.process_count()} processes; leave run.devices=auto.")
+        return devices
     if wanted is None:
         if devices[0].platform == "cpu":
             return devices[:DEFAULT_CPU_DEVICES]
@@ -74,13 +88,25 @@ def setup_devices(cfg: Config) -> list:
     return devices[:wanted]
 
 
-def make_mesh(sizes: dict[str, int], devices: list):
-    """A mesh with axes (data, tensor, expert, stage), compiler-propagated (Auto) sharding."""
+def make_mesh(sizes: dict[str, int], devices: list, mesh_cfg: MeshConfig | None = None):
+    """A mesh with axes (data, tensor, expert, stage), compiler-propagated (Auto) sharding.
+
+    Across several processes the mesh is hybrid: the axes of mesh.hosts are split between
+    processes, and each process holds a contiguous block of every other axis.
+    """
     import jax
     import numpy as np
+    from jax.experimental import mesh_utils
     from jax.sharding import AxisType, Mesh
 
     shape = tuple(sizes[a] for a in MESH_AXES)
+    processes = len({d.process_index for d in devices})
+    if processes > 1:
+        outer = host_split(sizes, mesh_cfg or MeshConfig(), processes)
+        inner = tuple(sizes[a] // outer[a] for a in MESH_AXES)
+        grid = mesh_utils.create_hybrid_device_mesh(inner, tuple(outer[a] for a in MESH_AXES), devices,
+                                                    process_is_granule=True)
+        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
     if len(devices) == jax.device_count():
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
     # A subset of devices (e.g. the 1-device reference): lay them out in order.

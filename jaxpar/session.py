@@ -22,13 +22,13 @@ class Session:
 
     def mesh(self):
         """The configured mesh over this session's devices."""
-        return make_mesh(self.mesh_sizes, self.devices)
+        return make_mesh(self.mesh_sizes, self.devices, self.cfg.mesh)
 
 
 def prepare(cfg: Config) -> Session:
     """Set up devices (emulated on CPU), validate the config and load the data; raises UserError."""
     devices = setup_devices(cfg)
-    sizes = validate(cfg, len(devices))
+    sizes = validate(cfg, len(devices), len({d.process_index for d in devices}))
     m, t = cfg.model, cfg.train
     train_tokens, val_tokens = split_tokens(load_tokens(cfg.data.source, m.vocab_size), cfg.data.val_fraction,
                                             m.seq_len)

@@ -31,6 +31,37 @@ def resolve_mesh(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
     return sizes
 
 
+def host_axes(mesh: MeshConfig) -> list[str]:
+    """The axes named by mesh.hosts, checked."""
+    names = [a.strip() for a in mesh.hosts.split(",") if a.strip()]
+    unknown = [a for a in names if a not in MESH_AXES]
+    if unknown or len(set(names)) != len(names):
+        raise ConfigError(f"mesh.hosts must list distinct mesh axes from {', '.join(MESH_AXES)}, got {mesh.hosts!r}.")
+    return names
+
+
+def host_split(sizes: dict[str, int], mesh: MeshConfig, processes: int) -> dict[str, int]:
+    """How many processes each mesh axis spans (the outer, inter-host part of a hybrid mesh).
+
+    The processes are handed to the axes of mesh.hosts in order, each taking as many as its
+    size allows; every other axis stays inside one process. Raises ConfigError when they
+    cannot all be placed, e.g. when only a tensor axis could span them.
+    """
+    names = host_axes(mesh)
+    split = {a: 1 for a in MESH_AXES}
+    left = processes
+    for axis in names:
+        share = math.gcd(left, sizes[axis])
+        split[axis], left = share, left // share
+    if left > 1:
+        inside = [a for a in MESH_AXES if a not in names and sizes[a] > 1]
+        spanning = ", ".join(f"mesh.{a}={sizes[a]}" for a in names) or "no axis"
+        kept = f"; {', '.join(inside)} must stay inside a process unless mesh.hosts names it" if inside else ""
+        raise ConfigError(f"the {processes} processes cannot be laid out over the axes that may span hosts "
+                          f"(mesh.hosts={mesh.hosts}: {spanning}){kept}.")
+    return split
+
+
 def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     p, S, L = cfg.parallel.pipeline, sizes["stage"], cfg.model.n_layers
     if p.microbatches <= 0 or p.virtual <= 0:
@@ -83,9 +114,14 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
                           "combined with train.grad_accum > 1; set model.moe.noise=false.")
 
 
-def validate(cfg: Config, n_devices: int) -> dict[str, int]:
+def validate(cfg: Config, n_devices: int, processes: int = 1) -> dict[str, int]:
     """Check every cross-field constraint before anything is compiled; return mesh sizes."""
     sizes = resolve_mesh(cfg.mesh, n_devices)
+    host_axes(cfg.mesh)
+    if processes > 1:
+        host_split(sizes, cfg.mesh, processes)
+    if cfg.run.heartbeat_timeout <= 0:
+        raise ConfigError(f"run.heartbeat_timeout must be positive, got {cfg.run.heartbeat_timeout}.")
     m, t = cfg.model, cfg.train
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
         if getattr(m, key) <= 0:

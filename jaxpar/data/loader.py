@@ -15,19 +15,25 @@ class BatchSampler:
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int):
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
 
+    def starts(self, step: int) -> np.ndarray:
+        """Where the batch_size windows of optimizer step `step` begin (cheap: no tokens are read)."""
+        rng = np.random.default_rng((self.seed, step))
+        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+
     def batch(self, step: int) -> np.ndarray:
         """The (batch_size, seq_len+1) int32 batch for optimizer step `step`."""
-        rng = np.random.default_rng((self.seed, step))
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
-        return self.windows(starts)
+        return self.windows(self.starts(step))
 
     def windows(self, starts: np.ndarray) -> np.ndarray:
         """Stack token windows beginning at `starts`."""
         width = self.seq_len + 1
         return np.stack([np.asarray(self.tokens[s: s + width]) for s in starts]).astype(np.int32)
 
+    def fixed_starts(self, count: int) -> np.ndarray:
+        """(count, batch_size) starts of evenly spaced windows covering the array (for validation)."""
+        last = len(self.tokens) - self.seq_len - 1
+        return np.linspace(0, last, count * self.batch_size).astype(np.int64).reshape(count, self.batch_size)
+
     def fixed_batches(self, count: int) -> list[np.ndarray]:
         """`count` batches of evenly spaced windows covering the array (for validation)."""
-        last = len(self.tokens) - self.seq_len - 1
-        starts = np.linspace(0, last, count * self.batch_size).astype(np.int64)
-        return [self.windows(chunk) for chunk in starts.reshape(count, self.batch_size)]
+        return [self.windows(chunk) for chunk in self.fixed_starts(count)]

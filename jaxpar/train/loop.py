@@ -15,11 +15,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxpar.distributed import StopAgreement
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.report import append_jsonl, plot_loss, read_jsonl, write_json_atomic, write_jsonl_atomic
 from jaxpar.train.sample import greedy_sample
 from jaxpar.train.trainer import Trainer
+from jaxpar.validation import host_split
 
 SAMPLE_PROMPT = "The "
 SAMPLE_TOKENS = 160
@@ -64,8 +66,9 @@ class StopSignals:
 
 def validation_loss(trainer: Trainer, params, session: Session) -> float:
     """Mean loss over fixed, evenly spaced windows of the held-out split."""
-    batches = session.val_data.fixed_batches(session.cfg.train.eval_batches)
-    losses = [trainer.eval_loss(params, trainer.put_batch(b)) for b in batches]
+    sampler = session.val_data
+    starts = sampler.fixed_starts(session.cfg.train.eval_batches)
+    losses = [trainer.eval_loss(params, trainer.put_windows(sampler, s)) for s in starts]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -73,8 +76,18 @@ def _layout(session: Session) -> str:
     return " ".join(f"{axis}={size}" for axis, size in session.mesh_sizes.items() if size > 1) or "single device"
 
 
+def _primary() -> bool:
+    """Process 0 writes the run's files, messages and progress bar; the others only compute."""
+    return jax.process_index() == 0
+
+
+def _say(message: str) -> None:
+    if _primary():
+        print(message, file=sys.stderr)
+
+
 def _warn(message: str) -> None:
-    print(f"jaxpar: warning: {message}", file=sys.stderr)
+    _say(f"jaxpar: warning: {message}")
 
 
 def _logged(step: int, t) -> bool:
@@ -108,20 +121,29 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     resumed = checkpoints.restore_latest(trainer, _warn)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
+    primary = _primary()
     if resumed is not None:
         state, start = resumed.state, resumed.step
         # Keep what an uninterrupted run would have logged up to the checkpoint; later lines are redone.
         history = [r for r in read_jsonl(metrics_path) if r["step"] <= start and _logged(r["step"], t)]
-        write_jsonl_atomic(metrics_path, history)
-        print(f"jaxpar: resuming from the checkpoint at step {start} in {checkpoints.directory}", file=sys.stderr)
+        if primary:
+            write_jsonl_atomic(metrics_path, history)
+        _say(f"jaxpar: resuming from the checkpoint at step {start} in {checkpoints.directory}")
     else:
         state, start, history = trainer.init(), 0, []
-        metrics_path.unlink(missing_ok=True)
+        if primary:
+            metrics_path.unlink(missing_ok=True)
     tokens_per_step = t.batch_size * cfg.model.seq_len
-    print(f"jaxpar: training {cfg.model.n_layers}-layer d={cfg.model.d_model} model on {_layout(session)} "
-          f"({len(session.devices)} {session.devices[0].platform} devices), {t.steps} steps", file=sys.stderr)
+    processes = ""
+    if jax.process_count() > 1:
+        split = host_split(session.mesh_sizes, cfg.mesh, jax.process_count())
+        processes = f", {jax.process_count()} processes over " + " x ".join(
+            f"{axis}={n}" for axis, n in split.items() if n > 1)
+    _say(f"jaxpar: training {cfg.model.n_layers}-layer d={cfg.model.d_model} model on {_layout(session)} "
+         f"({len(session.devices)} {session.devices[0].platform} devices{processes}), {t.steps} steps")
 
-    bar = tqdm(total=t.steps, initial=min(start, t.steps), desc="train", unit="step", disable=not progress,
+    bar = tqdm(total=t.steps, initial=min(start, t.steps), desc="train", unit="step",
+               disable=not (progress and primary),
                file=sys.stderr, dynamic_ncols=True)
     records: list[dict] = []
     last_time = time.perf_counter()
@@ -134,7 +156,7 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
         step_time, last_time = now - last_time, now
         record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
         records.append(record)
-        if _logged(step, t):
+        if _logged(step, t) and primary:
             append_jsonl(metrics_path, record)
         bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
@@ -146,20 +168,23 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     every = cfg.checkpoint.every
     stopped_by, step = None, start
     try:
+        agreement = StopAgreement()  # every process of a multi-process run stops at the same step
         with StopSignals() as signals:
             pending = None
             for index in range(start, t.steps):
-                state, metrics = trainer.step(state, trainer.put_batch(session.train_data.batch(index)))
+                state, metrics = trainer.step(state, trainer.put_windows(session.train_data,
+                                                                      session.train_data.starts(index)))
                 if pending is not None:
                     finish(*pending)
                 step, pending = index + 1, (index + 1, metrics)
-                if signals.received or (every and step % every == 0):
+                stopping = agreement.should_stop(step, signals.received is not None)
+                if stopping or (every and step % every == 0):
                     # Read this step's metrics first: only a finite step is checkpointed.
                     finish(*pending)
                     pending = None
                     checkpoints.save(step, state, trainer)
-                if signals.received:
-                    stopped_by = signals.received
+                if stopping:
+                    stopped_by = signals.received or "a signal to another process"
                     break
             if pending is not None:
                 finish(*pending)
@@ -170,8 +195,8 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
 
     if stopped_by is not None:
         checkpoints.wait()
-        print(f"jaxpar: stopped by {stopped_by} after step {step}; the checkpoint at step {step} is in "
-              f"{checkpoints.directory}, and the same command resumes from it.", file=sys.stderr)
+        _say(f"jaxpar: stopped by {stopped_by} after step {step}; the checkpoint at step {step} is in "
+             f"{checkpoints.directory}, and the same command resumes from it.")
         return {"preempted": stopped_by, "step": step, "checkpoint_dir": str(checkpoints.directory)}
     return _summarize(session, trainer, state, history, records, run_dir)
 
@@ -195,10 +220,12 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
     moe = cfg.model.moe
     if moe.experts and moe.router == "expert_choice":
         sample = None  # each expert picks tokens from the whole group, so generation cannot be causal
-        print("jaxpar: no text sample: expert_choice routing looks at the whole routing group, so the model is "
-              "not causal and cannot generate one token at a time.", file=sys.stderr)
+        _say("jaxpar: no text sample: expert_choice routing looks at the whole routing group, so the model is "
+             "not causal and cannot generate one token at a time.")
     else:
-        sample = greedy_sample(trainer.graphdef, params, SAMPLE_PROMPT, SAMPLE_TOKENS, cfg.model.seq_len)
+        # Every process takes part (the weights span them all); the prompt is replicated on the mesh.
+        sample = greedy_sample(trainer.graphdef, params, SAMPLE_PROMPT, SAMPLE_TOKENS, cfg.model.seq_len,
+                               trainer.replicated)
     every_step = history + records
     # The first step of a process includes compilation, so the median leaves it out.
     steady = [r["tokens_per_s"] for r in (records[1:] or records or history)]
@@ -212,6 +239,7 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
         "sample": sample,
         "config": cfg.to_dict(),
     }
-    write_json_atomic(run_dir / "summary.json", summary)
-    plot_loss(every_step, val_loss, run_dir / "loss.png")
+    if _primary():
+        write_json_atomic(run_dir / "summary.json", summary)
+        plot_loss(every_step, val_loss, run_dir / "loss.png")
     return summary

@@ -8,8 +8,13 @@ import numpy as np
 from flax import nnx
 
 
-def greedy_sample(graphdef: nnx.GraphDef, params: nnx.State, prompt: str, new_tokens: int, seq_len: int) -> str:
-    """Extend a byte-level prompt by `new_tokens` argmax steps over a sliding seq_len window."""
+def greedy_sample(graphdef: nnx.GraphDef, params: nnx.State, prompt: str, new_tokens: int, seq_len: int,
+                  window_sharding: jax.sharding.Sharding | None = None) -> str:
+    """Extend a byte-level prompt by `new_tokens` argmax steps over a sliding seq_len window.
+
+    With `window_sharding` (replicated on the weights' mesh) the window is placed there, which
+    a multi-process run needs: every process then runs the same program on the same prompt.
+    """
 
     @jax.jit
     def next_token(params, window_1L, position):
@@ -21,5 +26,7 @@ def greedy_sample(graphdef: nnx.GraphDef, params: nnx.State, prompt: str, new_to
         window = tokens[-seq_len:]
         padded = np.zeros((1, seq_len), np.int32)  # causal: padding after `position` is never seen
         padded[0, : len(window)] = window
+        if window_sharding is not None:
+            padded = jax.device_put(padded, window_sharding)
         tokens.append(int(next_token(params, padded, len(window) - 1)))
     return bytes(tokens).decode("utf-8", errors="replace")

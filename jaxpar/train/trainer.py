@@ -99,8 +99,25 @@ class Trainer:
         return tree if self._storage is None else self._permute_layers(tree, self._storage)
 
     def put_batch(self, tokens_BT: np.ndarray) -> jax.Array:
-        """Place a host batch onto the mesh with the batch sharding."""
+        """Place a host batch (the whole batch, on every process) onto the mesh with the batch sharding."""
         return jax.device_put(tokens_BT, self.batch_sharding)
+
+    def put_windows(self, sampler, starts_B: np.ndarray) -> jax.Array:
+        """Build the global batch of windows at `starts_B` from this process's rows only.
+
+        Each process reads just the windows its own devices hold, so no process ever loads
+        the whole batch; the global array is assembled from the per-device pieces.
+        """
+        shape = (len(starts_B), self.cfg.model.seq_len + 1)
+        read: dict[tuple, np.ndarray] = {}  # devices that share rows (tensor, stage replicas) read them once
+
+        def rows(index: tuple[slice, ...]) -> np.ndarray:
+            key = index[0].indices(shape[0])
+            if key not in read:
+                read[key] = sampler.windows(starts_B[index[0]])
+            return read[key][:, index[1]]
+
+        return jax.make_array_from_callback(shape, self.batch_sharding, rows)
 
     def put_state(self, state: TrainState) -> TrainState:
         """Copy a state (from any layout) into this layout's shardings (adding or dropping

@@ -1,0 +1,264 @@
+"""Multi-process runs on the JAX distributed runtime: detection, initialization, liveness.
+
+A run is multi-process when the environment says so:
+- JAXPAR_COORDINATOR (host:port), JAXPAR_NUM_PROCESSES and JAXPAR_PROCESS_ID (set by
+  `jaxpar launch`, or by hand / a Kubernetes indexed Job), or
+- a cluster JAX detects itself: SLURM with more than one task, Open MPI with more than one
+  rank, or JAX_COORDINATOR_ADDRESS.
+
+`initialize` must run before jax starts its backends. On CPU it selects gloo collectives.
+It then starts a watchdog: every process bumps a counter in the coordinator's key-value
+store, and a process whose counter stops moving for `run.heartbeat_timeout` seconds is
+declared lost; the survivors print one sentence naming it and exit with EXIT_LOST, instead
+of waiting forever inside a collective. JAX's own heartbeat timeout is set longer, so that
+this sentence, not a C++ abort, is what a user sees when a worker dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+
+from jaxpar.config import ConfigError
+
+ENV_COORDINATOR = "JAXPAR_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
+ENV_LOCAL_DEVICES = "JAXPAR_LOCAL_DEVICES"  # emulated CPU devices per process (set by `jaxpar launch`)
+EXIT_LOST = 3  # a peer process was lost (distinct from 1 = diverged and 2 = user mistake)
+_KEY_PREFIX = "jaxpar/alive/"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSetup:
+    """Where this process stands in a multi-process run (None fields: JAX detects them)."""
+
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+
+    @property
+    def detected(self) -> bool:
+        """Whether JAX's cluster detection (SLURM, Open MPI, ...) fills in the fields."""
+        return self.coordinator is None
+
+
+def _int_env(env: dict, name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {env[name]!r}.") from None
+
+
+def from_environment(env: dict | None = None) -> ProcessSetup | None:
+    """The multi-process setup the environment asks for, or None for a single-process run."""
+    env = os.environ if env is None else env
+    ours = [name for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID) if env.get(name)]
+    if ours:
+        if len(ours) < 3:
+            missing = sorted({ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID} - set(ours))
+            raise ConfigError(f"{', '.join(ours)} is set but {', '.join(missing)} is not; a multi-process run needs "
+                              f"all three.")
+        count, index = _int_env(env, ENV_NUM_PROCESSES), _int_env(env, ENV_PROCESS_ID)
+        if count < 1 or not 0 <= index < count:
+            raise ConfigError(f"{ENV_PROCESS_ID}={index} must be between 0 and {ENV_NUM_PROCESSES}-1={count - 1}.")
+        return None if count == 1 else ProcessSetup(env[ENV_COORDINATOR], count, index)
+    slurm = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
+    mpi = env.get("OMPI_COMM_WORLD_SIZE")
+    if env.get("JAX_COORDINATOR_ADDRESS") or (slurm and slurm.isdigit() and int(slurm) > 1) or \
+            (mpi and mpi.isdigit() and int(mpi) > 1):
+        return ProcessSetup(None, None, None)
+    return None
+
+
+def local_device_count(env: dict | None = None) -> int | None:
+    """The number of CPU devices each process should emulate, when `jaxpar launch` set it."""
+    env = os.environ if env is None else env
+    if not env.get(ENV_LOCAL_DEVICES):
+        return None
+    count = _int_env(env, ENV_LOCAL_DEVICES)
+    if count < 1:
+        raise ConfigError(f"{ENV_LOCAL_DEVICES} must be positive, got {count}.")
+    return count
+
+
+class Watchdog:
+    """Declares a peer lost when its liveness counter stops moving for `timeout` seconds."""
+
+    def __init__(self, client, process_id: int, num_processes: int, timeout: float):
+        self.client, self.process_id, self.num_processes, self.timeout = client, process_id, num_processes, timeout
+        self.interval = max(0.2, min(1.0, timeout / 10))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxpar-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stopped_or_lost(self, seconds: float) -> None:
+        """Wait up to `seconds` (the watchdog exits the process if it finds a lost peer meanwhile)."""
+        self._stop.wait(seconds)
+
+    def _run(self) -> None:
+        last_seen: dict[int, tuple[str, float]] = {}
+        started = time.monotonic()
+        rpc_failed_since = None
+        own_key = f"{_KEY_PREFIX}{self.process_id}"
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            try:
+                self.client.key_value_increment(own_key, 1)
+                counters = dict(self.client.key_value_dir_get(_KEY_PREFIX))
+                rpc_failed_since = None
+            except Exception:  # noqa: BLE001 - the runtime raises plain errors when the coordinator is gone
+                rpc_failed_since = rpc_failed_since or now
+                if now - rpc_failed_since > self.timeout and not self._stop.is_set():
+                    self._lost(0, "the coordinator it runs cannot be reached")
+                continue
+            for peer in range(self.num_processes):
+                value = counters.get(f"{_KEY_PREFIX}{peer}")
+                if last_seen.get(peer, (None,))[0] != value:
+                    last_seen[peer] = (value, now)
+                since = last_seen[peer][1] if value is not None else started
+                if peer != self.process_id and now - since > self.timeout and not self._stop.is_set():
+                    self._lost(peer, f"it has not answered for {self.timeout:g} s")
+
+    def _lost(self, peer: int, why: str) -> None:
+        print(f"jaxpar: error: lost process {peer} of {self.num_processes} ({why}); process {self.process_id} "
+              f"stops too, resume from the last checkpoint.", file=sys.stderr, flush=True)
+        os._exit(EXIT_LOST)  # the main thread may be blocked inside a collective that never completes
+
+
+_watchdog: Watchdog | None = None
+
+
+def initialize(setup: ProcessSetup, heartbeat_timeout: float, on_cpu: bool) -> None:
+    """Join the distributed runtime (before jax starts its backends) and start the watchdog."""
+    global _watchdog
+    import jax
+
+    if on_cpu:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX aborts the process itself once its heartbeat times out; ours fires first, with a clear sentence.
+    jax_timeout = int(heartbeat_timeout * 2 + 10)
+    try:
+        jax.distributed.initialize(setup.coordinator, setup.num_processes, setup.process_id,
+                                   heartbeat_timeout_seconds=jax_timeout,
+                                   initialization_timeout=int(max(60, heartbeat_timeout * 4)))
+    except (ValueError, RuntimeError) as e:
+        where = setup.coordinator or "the detected cluster"
+        raise ConfigError(f"could not join the distributed run at {where} ({' '.join(str(e).split())[:200]}).") \
+            from None
+    _watchdog = Watchdog(_client(), jax.process_index(), jax.process_count(), heartbeat_timeout).start()
+
+
+def finish(timeout: float = 600.0) -> None:
+    """Wait until every process is done, then stop the watchdog (a finished peer is not a lost one)."""
+    global _watchdog
+    if _watchdog is None:
+        return
+    try:
+        _client().wait_at_barrier("jaxpar/finish", int(timeout * 1000))
+    finally:
+        _watchdog.stop()
+        _watchdog = None
+
+
+def wait_for_lost_peer() -> None:
+    """After an error in a multi-process run, give the watchdog time to name a lost peer.
+
+    A collective whose peer died fails at once (gloo: "connection closed by peer") without
+    saying which process is gone; the watchdog knows within run.heartbeat_timeout and then
+    ends the process with its one sentence. Returns when no peer is lost: the error is this
+    process's own.
+    """
+    if _watchdog is not None:
+        _watchdog.stopped_or_lost(_watchdog.timeout * 1.5 + 2)
+
+
+def abandon() -> None:
+    """Stop the watchdog without waiting for the others (this process is exiting with an error)."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
+
+
+def is_secondary() -> bool:
+    """Whether this is a process other than 0 of a multi-process run (it leaves reporting to process 0).
+
+    Works before the runtime is joined too, from the launcher's or the cluster's rank variables.
+    """
+    if "jax" in sys.modules and _client_or_none() is not None:
+        import jax
+
+        return jax.process_index() != 0
+    for name in (ENV_PROCESS_ID, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name]) != 0
+    return False
+
+
+def _client_or_none():
+    try:
+        return _client()
+    except ImportError:
+        return None
+
+
+def barrier(name: str, timeout: float = 600.0) -> None:
+    """Block until every process reaches `name` (a no-op in a single-process run)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    _client().wait_at_barrier(name, int(timeout * 1000))
+
+
+class StopAgreement:
+    """Turns a signal seen by any process into one step at which every process stops.
+
+    The first process to see SIGTERM/SIGINT publishes `its step + 2` in the key-value store.
+    Processes stay within one step of each other (each reads step N's replicated metrics,
+    which needs every process to have run step N, before deciding about step N+1), so all
+    of them read that value before they reach it, and all stop and save at the same step.
+    """
+
+    KEY = "jaxpar/stop_at"
+
+    def __init__(self):
+        import jax
+
+        self.multi = jax.process_count() > 1
+        self._published = False
+        self._stop_at: int | None = None
+
+    def should_stop(self, step: int, signalled: bool) -> bool:
+        """Whether to stop after `step` (call once per step on every process, in step order)."""
+        if not self.multi:
+            return signalled
+        client = _client()
+        if signalled and not self._published:
+            self._published = True
+            try:
+                client.key_value_set(self.KEY, str(step + 2))
+            except Exception:  # noqa: BLE001 - another process published first; its value holds
+                pass
+        if self._stop_at is None:
+            try:
+                self._stop_at = int(client.key_value_try_get(self.KEY))
+            except Exception:  # noqa: BLE001 - not published (the runtime raises NOT_FOUND)
+                return False
+        return step >= self._stop_at
+
+
+def _client():
+    from jax._src import distributed as jax_distributed  # the runtime client: key-value store and barriers
+
+    return jax_distributed.global_state.client
