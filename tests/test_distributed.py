@@ -1,0 +1,176 @@
+"""Multi-process runs with real processes: `jaxpar launch` on 127.0.0.1, gloo collectives on CPU.
+
+Each launched run is two processes with 4 emulated CPU devices each, compared with one
+process holding all 8 devices (metrics.jsonl losses within 1e-6 relative, fp32).
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxpar.config import ConfigError, MeshConfig
+from jaxpar.distributed import ProcessSetup, from_environment
+from jaxpar.validation import host_split
+
+TINY = ["model.d_model=64", "model.n_layers=2", "model.seq_len=64", "train.batch_size=16", "train.log_every=1",
+        "train.eval_batches=2"]
+TIMEOUT_S = 300
+
+
+def _jaxpar(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxpar", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _train(run_dir: Path, *settings: str, processes: int = 1) -> subprocess.CompletedProcess:
+    command = ["train", "--no-progress", *TINY, *settings, f"run.dir={run_dir}"]
+    if processes > 1:
+        command = ["launch", "--processes", str(processes), "--devices-per-process", str(8 // processes), "--",
+                   *command]
+    result = _jaxpar(*command)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want)
+    for step, loss in want.items():
+        assert abs(got[step] - loss) <= 1e-6 * abs(loss), (step, got[step], loss)
+
+
+def test_two_processes_match_one_process_data_x_tensor(tmp_path):
+    settings = ["mesh.data=2", "mesh.tensor=4", "train.steps=4"]
+    single = _train(tmp_path / "one", *settings)
+    double = _train(tmp_path / "two", *settings, processes=2)
+    # tensor stays inside each process; the two processes split the data axis
+    assert "2 processes over data=2" in double.stderr
+    assert "[1] jaxpar: training" not in double.stderr  # only process 0 reports
+    _assert_same_losses(_losses(tmp_path / "two"), _losses(tmp_path / "one"))
+    assert "final train loss" in double.stdout and "final train loss" in single.stdout
+
+
+def test_pipeline_across_processes_and_checkpoints_cross_process_counts(tmp_path):
+    settings = ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "mesh.hosts=stage", "parallel.pipeline.microbatches=2",
+                "train.steps=4", "checkpoint.every=2"]
+    _train(tmp_path / "one", *settings)
+    double = _train(tmp_path / "two", *settings, processes=2)
+    assert "2 processes over stage=2" in double.stderr
+    reference = _losses(tmp_path / "one")
+    _assert_same_losses(_losses(tmp_path / "two"), reference)
+
+    # Written by 2 processes, resumed by 1 (and the other way round) from step 2.
+    for source, target, processes in (("two", "two_to_one", 1), ("one", "one_to_two", 2)):
+        shutil.copytree(tmp_path / source, tmp_path / target)
+        shutil.rmtree(tmp_path / target / "checkpoints" / "4")
+        resumed = _train(tmp_path / target, *settings, processes=processes)
+        assert "resuming from the checkpoint at step 2" in resumed.stderr
+        _assert_same_losses(_losses(tmp_path / target), reference)
+
+
+def _child_pid(run_dir: Path, process_id: int) -> int | None:
+    """The pid of the launched `jaxpar train` process with JAXPAR_PROCESS_ID=process_id for run_dir."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"run.dir={run_dir}".encode() in cmdline and f"JAXPAR_PROCESS_ID={process_id}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def _signal_long_run(run_dir: Path, process_id: int, signum: int) -> tuple[subprocess.Popen, str, float]:
+    """Launch a 2-process run that would go on for hours, send `signum` to one process after 3 logged
+    steps, and return the launcher, its stderr and the seconds it took to end after the signal."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jaxpar", "launch", "--processes", "2", "--devices-per-process", "4", "--", "train",
+         "--no-progress", *TINY, "mesh.data=2", "mesh.tensor=4", "train.steps=100000", "run.heartbeat_timeout=5",
+         f"run.dir={run_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (run_dir / "metrics.jsonl").exists() or len(_losses(run_dir)) < 3:
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.kill(_child_pid(run_dir, process_id), signum)
+        signalled_at = time.monotonic()
+        _, err = launcher.communicate(timeout=60)
+        return launcher, err, time.monotonic() - signalled_at
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher, err, _ = _signal_long_run(run_dir, 1, signal.SIGTERM)
+    assert launcher.returncode == 0, err[-3000:]
+    saved = [int(p.name) for p in (run_dir / "checkpoints").iterdir()]
+    assert len(saved) == 1 and saved[0] >= 3
+    assert f"[0] jaxpar: stopped by a signal to another process after step {saved[0]}" in err
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killing_a_process_ends_the_run_with_a_sentence(tmp_path, victim):
+    launcher, err, elapsed = _signal_long_run(tmp_path / "run", victim, signal.SIGKILL)
+    assert launcher.returncode != 0
+    assert elapsed < 60, elapsed
+    assert f"jaxpar launch: process {victim} was killed by SIGKILL." in err
+    survivor = 1 - victim
+    if victim == 1:
+        # The survivor's watchdog names the lost process itself, in one sentence.
+        assert f"[{survivor}] jaxpar: error: lost process {victim} of 2" in err
+        assert "Traceback" not in err
+    else:
+        # Losing the coordinator makes the JAX runtime abort the survivor; the launcher says so in one sentence.
+        assert f"jaxpar launch: process {survivor} was killed by SIGABRT after process {victim} was lost" in err
+    assert "Check failure stack trace" not in err  # the runtime's C++ noise is held back
+
+
+def test_tensor_across_processes_is_refused_in_one_sentence(tmp_path):
+    result = _jaxpar("launch", "--processes", "2", "--devices-per-process", "4", "--", "train", "mesh.tensor=8",
+                     f"run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("[0] jaxpar: error: the 2 processes cannot be laid out") and "tensor" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_host_split_hands_processes_to_the_named_axes_in_order():
+    sizes = {"data": 4, "tensor": 2, "expert": 1, "stage": 2}
+    assert host_split(sizes, MeshConfig(), 4) == {"data": 4, "tensor": 1, "expert": 1, "stage": 1}
+    assert host_split(sizes, MeshConfig(hosts="stage,data"), 4) == {"data": 2, "tensor": 1, "expert": 1, "stage": 2}
+    assert host_split(sizes, MeshConfig(hosts="data,stage"), 8) == {"data": 4, "tensor": 1, "expert": 1, "stage": 2}
+    with pytest.raises(ConfigError, match="tensor must stay inside a process"):
+        host_split(sizes, MeshConfig(), 16)
+    assert host_split(sizes, MeshConfig(hosts="data,stage,tensor"), 16)["tensor"] == 2  # forced
+    with pytest.raises(ConfigError, match="mesh.hosts must list"):
+        host_split(sizes, MeshConfig(hosts="data,pipeline"), 2)
+
+
+def test_environment_decides_single_or_multi_process():
+    assert from_environment({}) is None
+    env = {"JAXPAR_COORDINATOR": "10.0.0.1:1234", "JAXPAR_NUM_PROCESSES": "4", "JAXPAR_PROCESS_ID": "3"}
+    assert from_environment(env) == ProcessSetup("10.0.0.1:1234", 4, 3)
+    assert from_environment({**env, "JAXPAR_NUM_PROCESSES": "1", "JAXPAR_PROCESS_ID": "0"}) is None
+    assert from_environment({"SLURM_NTASKS": "8"}).detected
+    assert from_environment({"SLURM_NTASKS": "1"}) is None
+    with pytest.raises(ConfigError, match="needs all three"):
+        from_environment({"JAXPAR_COORDINATOR": "10.0.0.1:1234"})
+    with pytest.raises(ConfigError, match="must be between 0"):
+        from_environment({**env, "JAXPAR_PROCESS_ID": "4"})
