@@ -2,7 +2,8 @@
 
 User mistakes (config, devices, data, a checkpoint that does not fit the config) end in one
 sentence on stderr and exit code 2, before anything is compiled. A training run whose loss
-stops being finite ends in one sentence and exit code 1.
+stops being finite ends in one sentence and exit code 1. In a multi-process run, a process
+that loses a peer ends in one sentence naming it and exit code 3.
 """
 
 from __future__ import annotations
@@ -71,8 +72,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     session = prepare(cfg)
     from jaxpar.train.verify import verify
 
-    result = verify(session, log=lambda line: print(line, file=sys.stderr))
-    print(json.dumps(result))
+    import jax
+
+    primary = jax.process_index() == 0  # process 0 reports for a multi-process run
+    result = verify(session, log=lambda line: print(line, file=sys.stderr) if primary else None)
+    if primary:
+        print(json.dumps(result))
     return 0 if result["ok"] else 1
 
 
@@ -84,8 +89,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from jaxpar.train.trainer import Trainer
 
     plan = measure_step(Trainer(session.cfg, session.mesh()))
-    print(format_report(plan))
-    print(json.dumps({k: v for k, v in plan.items() if k != "collective_ops"}))
+    import jax
+
+    if jax.process_index() == 0:  # per-device figures: every process compiled the same program
+        print(format_report(plan))
+        print(json.dumps({k: v for k, v in plan.items() if k != "collective_ops"}))
     return 0
 
 

@@ -174,3 +174,13 @@ def test_environment_decides_single_or_multi_process():
         from_environment({"JAXPAR_COORDINATOR": "10.0.0.1:1234"})
     with pytest.raises(ConfigError, match="must be between 0"):
         from_environment({**env, "JAXPAR_PROCESS_ID": "4"})
+
+
+def test_verify_across_two_processes_against_a_per_process_reference():
+    result = _jaxpar("launch", "--processes", "2", "--devices-per-process", "4", "--", "verify", *TINY,
+                     "mesh.data=2", "mesh.tensor=4", "parallel.zero=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [line for line in result.stdout.splitlines() if line.startswith("[")]
+    assert len(reports) == 1 and reports[0].startswith("[0] ")  # process 0 reports for the run
+    report = json.loads(reports[0][4:])
+    assert report["ok"] and report["loss_max_rel_err"] <= 1e-5 and report["param_max_rel_err"] <= 1e-4

@@ -53,20 +53,24 @@ def verify(session: Session, log=print) -> dict:
     cfg = session.cfg
     layout = Trainer(cfg, session.mesh())
     ref_sizes = {axis: 1 for axis in session.mesh_sizes}
-    reference = Trainer(reference_config(cfg), make_mesh(ref_sizes, session.devices[:1]))
+    # In a multi-process run every process keeps its own reference on one of its own devices.
+    reference = Trainer(reference_config(cfg), make_mesh(ref_sizes, jax.local_devices()[:1]))
+    # The layout's arrays may span processes: copy them whole onto every device before reading them.
+    gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
 
     state = layout.init()
-    ref_state = reference.put_state(layout.to_model_order(jax.device_get(state)))
+    ref_state = reference.put_state(layout.to_model_order(jax.device_get(gather(state))))
     loss_errors = []
+    sampler = session.train_data
     for index in range(cfg.train.steps):
-        batch = session.train_data.batch(index)
-        state, metrics = layout.step(state, layout.put_batch(batch))
-        ref_state, ref_metrics = reference.step(ref_state, reference.put_batch(batch))
+        starts = sampler.starts(index)
+        state, metrics = layout.step(state, layout.put_windows(sampler, starts))
+        ref_state, ref_metrics = reference.step(ref_state, reference.put_batch(sampler.windows(starts)))
         loss, ref_loss = float(metrics["loss"]), float(ref_metrics["loss"])
         loss_errors.append(abs(loss - ref_loss) / abs(ref_loss))
         log(f"step {index + 1}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}")
 
-    params, ref_params = jax.device_get((layout.to_model_order(state.params), ref_state.params))
+    params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
     param_errors = [_rel(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params))]
     loss_tol, param_tol = TOLERANCES[cfg.train.precision]
     result = {
