@@ -46,9 +46,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_DIVERGED
     if "preempted" in summary:
         return 0  # the loop has said where the checkpoint is
-    import jax
+    from jaxpar import distributed
 
-    if jax.process_index() != 0:
+    if distributed.is_secondary():
         return 0  # process 0 reports for the whole run
     if summary["final_loss"] is not None:
         print(f"\nfinal train loss {summary['final_loss']:.4f} (first step {summary['first_loss']:.4f}), "
@@ -72,9 +72,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     session = prepare(cfg)
     from jaxpar.train.verify import verify
 
-    import jax
+    from jaxpar import distributed
 
-    primary = jax.process_index() == 0  # process 0 reports for a multi-process run
+    primary = not distributed.is_secondary()  # process 0 reports for a multi-process run
     result = verify(session, log=lambda line: print(line, file=sys.stderr) if primary else None)
     if primary:
         print(json.dumps(result))
@@ -89,9 +89,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from jaxpar.train.trainer import Trainer
 
     plan = measure_step(Trainer(session.cfg, session.mesh()))
-    import jax
+    from jaxpar import distributed
 
-    if jax.process_index() == 0:  # per-device figures: every process compiled the same program
+    if not distributed.is_secondary():  # per-device figures: every process compiled the same program
         print(format_report(plan))
         print(json.dumps({k: v for k, v in plan.items() if k != "collective_ops"}))
     return 0

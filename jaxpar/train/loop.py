@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar.distributed import StopAgreement
+from jaxpar.distributed import StopAgreement, is_secondary
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.report import append_jsonl, plot_loss, read_jsonl, write_json_atomic, write_jsonl_atomic
@@ -78,7 +78,7 @@ def _layout(session: Session) -> str:
 
 def _primary() -> bool:
     """Process 0 writes the run's files, messages and progress bar; the others only compute."""
-    return jax.process_index() == 0
+    return not is_secondary()
 
 
 def _say(message: str) -> None:
