@@ -212,15 +212,6 @@ def _client_or_none():
         return None
 
 
-def barrier(name: str, timeout: float = 600.0) -> None:
-    """Block until every process reaches `name` (a no-op in a single-process run)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return
-    _client().wait_at_barrier(name, int(timeout * 1000))
-
-
 class StopAgreement:
     """Turns a signal seen by any process into one step at which every process stops.
 
