@@ -3,25 +3,43 @@
 #   bash run.sh train [key=value ...]   train the default model on 8 emulated CPU devices (data=4 x tensor=2)
 #   bash run.sh test  [pytest args ...] run the whole test suite
 #   bash run.sh jaxpar ...              any jaxpar command inside the environment
+# PYTHON=/path/to/python3.12 picks the interpreter; otherwise the first one that really runs
+# and is 3.12 or newer is taken from PATH, then from the usual install places (pyenv, /usr/local).
 set -euo pipefail
 cd "$(dirname "$0")"
 
+runs_312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
+
 python_bin="${PYTHON:-}"
-if [ -z "$python_bin" ]; then
-  for candidate in python3.11 python3 python; do
-    if command -v "$candidate" >/dev/null 2>&1; then python_bin="$candidate"; break; fi
+if [ -n "$python_bin" ]; then
+  if ! runs_312 "$python_bin"; then
+    echo "run.sh: PYTHON=$python_bin does not run as Python 3.12 or newer." >&2
+    exit 2
+  fi
+else
+  # A pyenv shim is on PATH even where its version is not selected, and then fails when run:
+  # so each candidate is tried, not merely looked up.
+  for candidate in python3.13 python3.12 python3 python \
+      "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[3-9]*/bin/python3 \
+      "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3 \
+      /usr/local/bin/python3.1[2-9] /usr/bin/python3.1[2-9] /opt/*/bin/python3.1[2-9]; do
+    if runs_312 "$candidate"; then python_bin="$candidate"; break; fi
   done
-fi
-if ! "$python_bin" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-  echo "run.sh: jaxpar needs Python 3.11 or newer; set PYTHON=/path/to/python3.11." >&2
-  exit 2
+  if [ -z "$python_bin" ]; then
+    echo "run.sh: jaxpar needs Python 3.12 or newer and found none on PATH or in pyenv's versions; install one or set PYTHON=/path/to/python3.12." >&2
+    exit 2
+  fi
 fi
 
 venv=.venv
 stamp="$venv/.jaxpar-install"
 wanted="$(cat requirements.lock pyproject.toml | "$python_bin" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
+if [ -x "$venv/bin/python" ] && ! runs_312 "$venv/bin/python"; then
+  echo "run.sh: $venv was made with an older Python; recreating it" >&2
+  rm -rf "$venv"
+fi
 if [ ! -x "$venv/bin/python" ]; then
-  echo "run.sh: creating $venv with $("$python_bin" --version)" >&2
+  echo "run.sh: creating $venv with $("$python_bin" --version) ($python_bin)" >&2
   "$python_bin" -m venv "$venv"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then

@@ -41,7 +41,9 @@ class Layout:
     def __init__(self, mesh: jax.sharding.Mesh, zero: int = 0, rules: dict = RULES):
         self.mesh, self.zero, self.rules = mesh, zero, rules
         self.sizes = dict(mesh.shape)
-        self.data_axes = tuple(a for a in DATA_PARALLEL_AXES if a in self.sizes)
+        # Only axes of size > 1 are made manual: XLA's SPMD partitioner rejects the tensor
+        # all-reduces of a shard_map that is manual over size-1 axes only (tensor=N alone).
+        self.data_axes = tuple(a for a in DATA_PARALLEL_AXES if self.sizes.get(a, 1) > 1)
         self.pipelined = self.sizes.get("stage", 1) > 1
         # shard_map is manual over the batch axes, and over `stage` when pipelining.
         self.manual = self.data_axes + (("stage",) if self.pipelined else ())
@@ -123,7 +125,7 @@ class Layout:
 
     def batch_shard_index(self) -> jax.Array:
         """Inside shard_map: this device's index along the data-parallel axes."""
-        return jax.lax.axis_index(self.data_axes)
+        return jax.lax.axis_index(self.data_axes) if self.data_axes else jnp.zeros((), jnp.int32)
 
     def _expand(self, variable: nnx.Variable, path: tuple, layer: jax.Array | None):
         """Shard -> full weight whose gradient is reduce-scattered back onto the shard.
@@ -199,6 +201,9 @@ class Layout:
                                                      is_leaf=_is_var)
             return stats, grads
 
+        if not self.manual:  # one batch shard, no stages: the compiler partitions it all
+            with layout_hooks(self.auto_hooks()):
+                return grad_fn(params, batch, *args)
         manual_in = jax.tree.map(lambda s: manual_part(s, self.manual), param_specs, is_leaf=is_spec)
         manual_out = jax.tree.map(lambda s: manual_part(s, self.manual), grad_specs, is_leaf=is_spec)
         fn = jax.shard_map(per_shard, mesh=self.mesh, axis_names=set(self.manual), check_vma=False,
