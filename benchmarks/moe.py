@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from jaxpar.config import load_config
-from jaxpar.validation import validate
+from jaxpar.validation import validate, with_derived
 from jaxpar.runtime import make_mesh, setup_devices
 
 ROUTERS, EXPERT_DEGREES, CAPACITIES, AUX_WEIGHTS = ("topk", "switch", "expert_choice"), (1, 2, 4, 8), \
@@ -80,7 +80,8 @@ def throughput_row(router: str, expert: int, batches: list[np.ndarray]) -> dict:
     start = time.perf_counter()
     cfg = load_config(None, [f"run.dir={os.devnull}", *BASE, f"model.moe.router={router}",
                              f"mesh.expert={expert}", f"mesh.data={len(DEVICES) // expert}"])
-    trainer = Trainer(cfg, make_mesh(validate(cfg, len(DEVICES)), DEVICES))
+    sizes = validate(cfg, len(DEVICES))
+    trainer = Trainer(with_derived(cfg, sizes), make_mesh(sizes, DEVICES))
     all_to_all = measure_step(trainer)["collectives"].get("all-to-all", 0)
     seconds, metrics, _ = time_steps(trainer.step, trainer.init(), trainer.put_batch, batches, ARGS.warmup)
     last = jax.device_get(metrics)
@@ -88,8 +89,14 @@ def throughput_row(router: str, expert: int, batches: list[np.ndarray]) -> dict:
           file=sys.stderr)
     return {"router": router, "expert": expert, "data": len(DEVICES) // expert, "median_step_ms": seconds * 1e3,
             "tokens_per_s": cfg.train.batch_size * cfg.model.seq_len / seconds,
-            "dropped_fraction": float(last["moe_dropped_fraction"]), "load_cv": float(last["moe_load_cv"]),
+            "dropped_fraction": _optional(last, "moe_dropped_fraction"),
+            "unrouted_fraction": float(last["moe_unrouted_fraction"]), "load_cv": float(last["moe_load_cv"]),
             "all_to_all_bytes": int(all_to_all)}
+
+
+def _optional(metrics: dict, key: str) -> float | None:
+    """A metric only some routers have (Expert Choice never drops for capacity): None where absent."""
+    return float(metrics[key]) if key in metrics else None
 
 
 _RUNS: dict[tuple, dict] = {}
@@ -119,12 +126,17 @@ def train_run(router: str, capacity: float = 1.25, aux: float = 0.01) -> dict:
     first, last = lines[0], lines[-1]
     _RUNS[key] = {"router": router, "capacity_factor": capacity, "aux_loss_weight": aux, "step": last["step"],
                   "first_loss": first["loss"], "final_loss": last["loss"],
-                  "dropped_fraction": last["moe_dropped_fraction"], "load_cv": last["moe_load_cv"],
+                  "dropped_fraction": _optional(last, "moe_dropped_fraction"),
+                  "unrouted_fraction": last["moe_unrouted_fraction"], "load_cv": last["moe_load_cv"],
                   "expert_tokens": last["moe_expert_tokens"], "aux_loss": last["moe_aux_loss"],
                   "error_after_training": error}
     print(f"train {router} capacity={capacity} aux={aux}: loss {first['loss']:.3f} -> {last['loss']:.3f}, "
-          f"dropped {last['moe_dropped_fraction']:.3f}, done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+          f"unrouted {last['moe_unrouted_fraction']:.3f}, done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return _RUNS[key]
+
+
+def _fraction(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
 
 
 def markdown(header: list[str], rows: list[list]) -> str:
@@ -153,7 +165,8 @@ def plot(speed: list[dict], balance: list[dict], path: Path) -> None:
         tokens = run["expert_tokens"]
         right.bar(np.arange(len(tokens)) + (i - 0.5) * 0.4, tokens, 0.4,
                   label=f"aux_loss_weight={run['aux_loss_weight']:g} (load CV {run['load_cv']:.2f})")
-    cfg = load_config(None, [f"run.dir={os.devnull}", *BASE])
+    cfg = load_config(None, [f"run.dir={os.devnull}", *BASE, "mesh.data=8", "mesh.expert=1"])
+    cfg = with_derived(cfg, validate(cfg, len(DEVICES)))  # the group size those runs used
     moe, factor, tokens = cfg.model.moe, switch[0]["capacity_factor"], cfg.train.batch_size * cfg.model.seq_len
     right.axhline(tokens / moe.experts, color="gray", ls=":", label=f"even split of all {tokens} tokens")
     cap = capacity("switch", moe.group_size, moe.experts, 1, factor) * tokens // moe.group_size
@@ -182,17 +195,19 @@ def main() -> int:
 
     print(f"MoE ({' '.join(BASE)}), {len(DEVICES)} emulated {DEVICES[0].platform} devices\n")
     print("Table 1: throughput and routing by router x expert-parallel degree\n")
-    print(markdown(["router", "mesh", "step ms", "tokens/s", "dropped fraction", "load CV", "all-to-all B/step"],
+    print(markdown(["router", "mesh", "step ms", "tokens/s", "dropped fraction", "unrouted fraction", "load CV",
+                    "all-to-all B/step"],
                    [[r["router"], f"expert={r['expert']} x data={r['data']}", f"{r['median_step_ms']:.1f}",
-                     f"{r['tokens_per_s']:,.0f}", f"{r['dropped_fraction']:.3f}", f"{r['load_cv']:.3f}",
+                     f"{r['tokens_per_s']:,.0f}", _fraction(r["dropped_fraction"]),
+                     _fraction(r["unrouted_fraction"]), f"{r['load_cv']:.3f}",
                      f"{r['all_to_all_bytes']:,}"] for r in speed]) + "\n")
     print(f"Table 2: switch router, capacity factor, after {ARGS.train_steps} steps (mesh.data=8)\n")
     print(markdown(["capacity factor", "dropped fraction", "load CV", "final loss"],
-                   [[f"{r['capacity_factor']:g}", f"{r['dropped_fraction']:.3f}", f"{r['load_cv']:.3f}",
+                   [[f"{r['capacity_factor']:g}", _fraction(r["dropped_fraction"]), f"{r['load_cv']:.3f}",
                      f"{r['final_loss']:.3f}"] for r in capacity]) + "\n")
     print(f"Table 3: auxiliary load-balancing loss off vs on, after {ARGS.train_steps} steps (capacity 1.25)\n")
     print(markdown(["router", "aux_loss_weight", "load CV", "dropped fraction", "final loss", "tokens per expert"],
-                   [[r["router"], f"{r['aux_loss_weight']:g}", f"{r['load_cv']:.3f}", f"{r['dropped_fraction']:.3f}",
+                   [[r["router"], f"{r['aux_loss_weight']:g}", f"{r['load_cv']:.3f}", _fraction(r["dropped_fraction"]),
                      f"{r['final_loss']:.3f}", " ".join(f"{t:.0f}" for t in r["expert_tokens"])]
                     for r in balance]) + "\n")
     print(f"Table 4: loss over every training run (first vs last logged step, {ARGS.train_steps} steps)\n")

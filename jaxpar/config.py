@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from pathlib import Path
 from typing import Literal, Union
@@ -33,7 +34,7 @@ class MoEConfig:
     router: Literal["topk", "switch", "expert_choice"] = "switch"
     top_k: int = 2
     capacity_factor: float = 1.25
-    group_size: int = 256
+    group_size: int = 0  # tokens per routing group; 0: the largest divisor of the tokens per device up to 256
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     noise: bool = True
@@ -198,7 +199,13 @@ def all_keys() -> list[str]:
 def _unknown_key(key: str) -> ConfigError:
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else f"; known sections are {', '.join(_fields(Config))}."
-    return ConfigError(f"unknown config key '{key}'{hint}")
+    return ConfigError(f"unknown config key {_quoted(key)}{hint}")
+
+
+def _quoted(text) -> str:
+    """A user's text in quotes for a one-line message: 'like this', with newlines and other control
+    characters escaped."""
+    return repr(str(text))
 
 
 def _coerce(key: str, value, typ):
@@ -222,10 +229,19 @@ def _coerce(key: str, value, typ):
             return value
     elif typ is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -2 ** 63 <= value < 2 ** 63:  # numpy and XLA take 64-bit integers at most
+                shown = value if value.bit_length() <= 256 else f"a {value.bit_length()}-bit number"
+                raise ConfigError(f"{key} must fit in 64 bits (between -2**63 and 2**63 - 1), got {shown}.")
             return value
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int too large for a float
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"{key} must be a finite number, got {value!r}.")
+            return number
     elif typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -242,7 +258,7 @@ def _parse_scalar(text: str):
             pass
     try:
         return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, OverflowError):  # e.g. '2020-13-45' or '!!float abc': keep the text
         return text
 
 
@@ -284,20 +300,23 @@ def _is_str_literal(typ) -> bool:
 def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     """Read a preset, following 'extends: other.yaml' (relative to the preset's folder)."""
     if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist.")
+        raise ConfigError(f"config file {_quoted(path)} does not exist.")
     if path.resolve() in seen:
-        raise ConfigError(f"config file '{path}' extends itself in a loop.")
+        raise ConfigError(f"config file {_quoted(path)} extends itself in a loop.")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{path}' is not valid YAML ({str(e).splitlines()[0]}).") from None
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, ValueError, OverflowError) as e:  # ValueError: not UTF-8, or a date like 2020-13-45
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"config file {_quoted(path)} is not valid YAML ({first_line}).") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping of sections.")
+        raise ConfigError(f"config file {_quoted(path)} must hold a mapping of sections.")
     parent = data.pop("extends", None)
+    if parent is not None and not isinstance(parent, str):
+        raise ConfigError(f"'extends' in {_quoted(path)} must name another preset file, got {parent!r}.")
     base = _read_yaml(path.parent / parent, seen + (path.resolve(),)) if parent else {}
     for section, values in data.items():
         if not isinstance(values, dict):
-            raise ConfigError(f"section '{section}' in '{path}' must be a mapping of keys.")
+            raise ConfigError(f"section {_quoted(section)} in {_quoted(path)} must be a mapping of keys.")
     return _merge(base, data)
 
 
@@ -312,7 +331,7 @@ def parse_override(arg: str) -> tuple[str, str]:
     """Split 'train.steps=10' into ('train.steps', '10') with a clear error otherwise."""
     key, sep, value = arg.partition("=")
     if not sep or not key:
-        raise ConfigError(f"argument '{arg}' is neither a .yaml file nor a key=value override.")
+        raise ConfigError(f"argument {_quoted(arg)} is neither a .yaml file nor a key=value override.")
     return key.strip(), value
 
 

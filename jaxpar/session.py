@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.config import Config
-from jaxpar.validation import validate
+from jaxpar.validation import validate, with_derived
 from jaxpar.data import BatchSampler, load_tokens, split_tokens
 from jaxpar.runtime import make_mesh, setup_devices
 
@@ -29,6 +29,7 @@ def prepare(cfg: Config) -> Session:
     """Set up devices (emulated on CPU), validate the config and load the data; raises UserError."""
     devices = setup_devices(cfg)
     sizes = validate(cfg, len(devices), len({d.process_index for d in devices}))
+    cfg = with_derived(cfg, sizes)
     m, t = cfg.model, cfg.train
     train_tokens, val_tokens = split_tokens(load_tokens(cfg.data.source, m.vocab_size), cfg.data.val_fraction,
                                             m.seq_len)

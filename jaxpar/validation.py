@@ -9,6 +9,9 @@ import math
 
 from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig
 
+MAX_SEED = 2 ** 63 - 1  # numpy wants a non-negative seed, jax one that fits in 64 bits
+MAX_HEARTBEAT_S = 86_400  # the distributed runtime takes whole seconds in a C int
+
 
 def resolve_mesh(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
     """Axis sizes with -1 filled in; raises ConfigError unless they multiply to n_devices."""
@@ -103,15 +106,37 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.experts={moe.experts}.")
     if moe.capacity_factor <= 0:
         raise ConfigError(f"model.moe.capacity_factor must be positive, got {moe.capacity_factor}.")
-    tokens = t.batch_size // (sizes["data"] * sizes["expert"] * t.grad_accum) * m.seq_len
-    if moe.group_size <= 0 or tokens % moe.group_size:
+    tokens = routed_tokens_per_device(cfg, sizes)
+    if moe.group_size < 0 or (moe.group_size and tokens % moe.group_size):
         raise ConfigError(f"model.moe.group_size={moe.group_size} does not divide the {tokens} tokens per device "
-                          f"(train.batch_size / (data x expert x grad_accum) x model.seq_len).")
+                          f"(train.batch_size / (data x expert x grad_accum) x model.seq_len); leave it 0 to fit.")
     if sizes["stage"] > 1:
         raise ConfigError("mixture of experts with mesh.stage > 1 is not supported yet.")
     if t.grad_accum > 1 and moe.noise and moe.router == "topk":
         raise ConfigError("noisy top-k routing draws noise per routing group of the whole batch, so it cannot be "
                           "combined with train.grad_accum > 1; set model.moe.noise=false.")
+
+
+MAX_AUTO_GROUP = 256
+
+
+def routed_tokens_per_device(cfg: Config, sizes: dict[str, int]) -> int:
+    """Tokens one device routes at a time: its share of the batch (of one accumulation microbatch)."""
+    t = cfg.train
+    return t.batch_size // (sizes["data"] * sizes["expert"] * t.grad_accum) * cfg.model.seq_len
+
+
+def with_derived(cfg: Config, sizes: dict[str, int]) -> Config:
+    """The config with its automatic values filled in for this mesh: model.moe.group_size=0
+    becomes the largest divisor of the tokens per device up to 256. Routing groups are then
+    consecutive tokens of the global batch, the same on every layout that shares the value
+    (verify's single-device reference takes it from the layout)."""
+    moe = cfg.model.moe
+    if not moe.experts or moe.group_size:
+        return cfg
+    tokens = routed_tokens_per_device(cfg, sizes)
+    size = max(d for d in range(1, min(tokens, MAX_AUTO_GROUP) + 1) if tokens % d == 0)
+    return cfg.replace(**{"model.moe.group_size": size})
 
 
 def validate(cfg: Config, n_devices: int, processes: int = 1) -> dict[str, int]:
@@ -120,8 +145,12 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> dict[str, int]:
     host_axes(cfg.mesh)
     if processes > 1:
         host_split(sizes, cfg.mesh, processes)
-    if cfg.run.heartbeat_timeout <= 0:
-        raise ConfigError(f"run.heartbeat_timeout must be positive, got {cfg.run.heartbeat_timeout}.")
+    if not 0 < cfg.run.heartbeat_timeout <= MAX_HEARTBEAT_S:
+        raise ConfigError(f"run.heartbeat_timeout must be positive and at most {MAX_HEARTBEAT_S} seconds, "
+                          f"got {cfg.run.heartbeat_timeout}.")
+    for key, path in (("data.source", cfg.data.source), ("run.dir", cfg.run.dir)):
+        if not path.strip() or not path.isprintable():
+            raise ConfigError(f"{key} must be a non-empty path without control characters, got {path!r}.")
     m, t = cfg.model, cfg.train
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
         if getattr(m, key) <= 0:
@@ -149,6 +178,8 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> dict[str, int]:
     _validate_moe(cfg, sizes)
     if cfg.parallel.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {cfg.parallel.zero}.")
+    if not 0 <= t.seed <= MAX_SEED:
+        raise ConfigError(f"train.seed must be between 0 and 2**63 - 1, got {t.seed}.")
     if t.lr_schedule_steps < 0:
         raise ConfigError(f"train.lr_schedule_steps must be 0 (follow train.steps) or positive, got {t.lr_schedule_steps}.")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep <= 0:

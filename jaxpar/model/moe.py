@@ -26,6 +26,9 @@ class MoE(nnx.Module):
         moe, D, F = cfg.moe, cfg.d_model, cfg.d_ff
         E = moe.experts
         self.router, self.top_k, self.noise = moe.router, moe.top_k, moe.noise
+        if moe.group_size <= 0:
+            raise ValueError("model.moe.group_size=0 (automatic) must be resolved for the mesh first: "
+                             "see jaxpar.validation.with_derived")
         self.group_size, self.capacity_factor = moe.group_size, moe.capacity_factor
         self.w_router = param(rngs.params(), (D, E), ("embed", None), D ** -0.5)
         self.w_noise = (nnx.Param(jnp.zeros((D, E), jnp.float32), out_sharding=("embed", None), eager_sharding=False)
@@ -65,5 +68,9 @@ class MoE(nnx.Module):
         y_EGCD = expert_all_to_all(y_EGCD, inverse=True)  # back to the shard that owns the groups
         y_GSD = jnp.einsum("GSEC,EGCD->GSD", combine.astype(dtype), y_EGCD)
         tokens_E = jnp.sum(dispatch, axis=(0, 1, 3))
-        stats = {"aux": balance, "z": routers.z_loss(logits_GSE), "dropped": dropped, "expert_tokens": tokens_E}
+        # The share of tokens no expert took (the residual alone carries them), from the dispatch itself.
+        unrouted = jnp.mean((jnp.sum(dispatch, axis=(2, 3)) == 0).astype(jnp.float32))
+        stats = {"aux": balance, "z": routers.z_loss(logits_GSE), "unrouted": unrouted, "expert_tokens": tokens_E}
+        if dropped is not None:
+            stats["dropped"] = dropped
         return constrain(y_GSD.reshape(B, L, D), ("batch", "seq", "embed")), stats

@@ -3,7 +3,8 @@
 Every router maps router logits (G groups, S tokens, E experts) to
   dispatch (G, S, E, C): 1 where token s fills slot c of expert e,
   combine  (G, S, E, C): dispatch times the token's gate weight,
-and statistics for the auxiliary losses and the metrics. Balance losses are computed per
+the balance loss, and the share of assignments dropped for lack of capacity (None for
+Expert Choice, which never overflows). Balance losses are computed per
 routing group and averaged, so they do not depend on how groups are spread over devices. Shape legend: G groups, S tokens
 per group, E experts, C capacity (slots per expert per group), K top-k.
 """
@@ -91,15 +92,31 @@ def noisy_topk(logits_GSE: jax.Array, noise_scale_GSE: jax.Array | None, noise_G
     return dispatch, combine, _cv_squared(importance_GE) + _cv_squared(load_GE), dropped
 
 
+def selection_key(probs: jax.Array) -> jax.Array:
+    """What Expert Choice ranks tokens by: the probability rounded to bfloat16 (8 significant bits).
+
+    Tokens with the same input and context (the same byte opening two sequences) have equal
+    probabilities, bit for bit on one layout and an ulp apart on another, where the reduction
+    order differs. Ranked on exact fp32 values, such ties go one way here and the other way
+    there. Rounded, near-equal values become equal and `top_k` breaks the tie by token index
+    (the lower wins), the same on every layout; a flip now needs fp32 noise to straddle a
+    bf16 rounding boundary, about 1e-7 / 4e-3 of the time per tie.
+    """
+    return probs.astype(jnp.bfloat16).astype(jnp.float32)
+
+
 def expert_choice(logits_GSE: jax.Array, C: int):
     """Expert Choice: each expert takes its top-C tokens of the group, so every expert is exactly
-    full and nothing overflows. It looks at the whole group, so it is not causal."""
-    probs_GSE = jax.nn.softmax(logits_GSE, axis=-1)
-    gates_GEC, tokens_GEC = jax.lax.top_k(jnp.swapaxes(probs_GSE, 1, 2), C)
+    full and nothing overflows (a token may be taken by several experts or by none; the
+    caller measures the unrouted share from the dispatch). It looks at the whole group, so
+    it is not causal. Gates are the exact probabilities of the chosen tokens."""
+    probs_GES = jnp.swapaxes(jax.nn.softmax(logits_GSE, axis=-1), 1, 2)
+    _, tokens_GEC = jax.lax.top_k(selection_key(probs_GES), C)
+    gates_GEC = jnp.take_along_axis(probs_GES, tokens_GEC, axis=-1)
     S = logits_GSE.shape[1]
     dispatch_GSEC = jnp.transpose(jax.nn.one_hot(tokens_GEC, S, dtype=jnp.float32), (0, 3, 1, 2))
     combine_GSEC = dispatch_GSEC * gates_GEC[:, None, :, :]
-    return dispatch_GSEC, combine_GSEC, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    return dispatch_GSEC, combine_GSEC, jnp.zeros((), jnp.float32), None
 
 
 def z_loss(logits_GSE: jax.Array) -> jax.Array:

@@ -60,8 +60,11 @@ def objective(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array, t
         return loss, {"loss": loss}
     layers_mean = {k: jnp.mean(v, axis=0) for k, v in routing.items()}
     aux = moe.aux_loss_weight * jnp.sum(routing["aux"]) + moe.z_loss_weight * jnp.sum(routing["z"])
-    return loss + aux, {"loss": loss, "moe_aux_loss": layers_mean["aux"], "moe_z_loss": layers_mean["z"],
-                        "moe_dropped_fraction": layers_mean["dropped"], "moe_expert_tokens": layers_mean["expert_tokens"]}
+    stats = {"loss": loss, "moe_aux_loss": layers_mean["aux"], "moe_z_loss": layers_mean["z"],
+             "moe_unrouted_fraction": layers_mean["unrouted"], "moe_expert_tokens": layers_mean["expert_tokens"]}
+    if "dropped" in layers_mean:  # routers with a capacity to overflow (not Expert Choice)
+        stats["moe_dropped_fraction"] = layers_mean["dropped"]
+    return loss + aux, stats
 
 
 def stage_fns(graphdef: nnx.GraphDef, precision: str, remat: str, scale: jax.Array) -> StageFns:
@@ -91,14 +94,15 @@ def pipelined_grads(graphdef, t: TrainConfig, table: Table, layout):
 
 def accumulated_grads(loss_fn: Callable, params, tokens_BT: jax.Array, microbatches: int):
     """(stats, gradients) of loss_fn(params, tokens) -> (objective, stats), for the batch mean,
-    summed over `microbatches` slices in fp32. Microbatch i takes rows i, i+k, i+2k, ...
+    summed over `microbatches` slices in fp32. Microbatch i takes the i-th block of consecutive
+    rows, so MoE routing groups (consecutive tokens) hold the same tokens as without accumulation.
     """
     grad_fn = jax.grad(loss_fn, has_aux=True)
     if microbatches == 1:
         grads, stats = grad_fn(params, tokens_BT)
         return stats, grads
     B, T = tokens_BT.shape
-    micro_KBT = tokens_BT.reshape(B // microbatches, microbatches, T).swapaxes(0, 1)
+    micro_KBT = tokens_BT.reshape(microbatches, B // microbatches, T)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zero_stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(loss_fn, params, micro_KBT[0])[1])
 
