@@ -99,8 +99,9 @@ class Transformer(nnx.Module):
 
         remat: 'none' keeps every activation for backward; 'full' keeps only each layer's
         input and recomputes the layer; 'dots' keeps matmul outputs only; 'sqrt' splits the
-        L layers into about sqrt(L) segments, keeps segment inputs and recomputes a whole
-        segment in backward (a nested scan): O(sqrt L) activation memory. When the layout
+        L layers into about sqrt(L) segments (the last one shorter when they do not divide L),
+        keeps segment inputs and recomputes a whole segment in backward (a nested scan):
+        O(sqrt L) activation memory. When the layout
         expands weights per layer (ZeRO-2/3), the expanded weights are fetched again in
         backward rather than kept, so about one layer's full weights exist at a time.
         """
@@ -117,7 +118,7 @@ class Transformer(nnx.Module):
             one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
         layers = (stacked, jnp.arange(n_layers))
         if remat == "sqrt":
-            return _segmented_scan(one_layer, x_BLD, layers, sqrt_segments(n_layers))
+            return _segmented_scan(one_layer, x_BLD, layers, sqrt_segment_size(n_layers))
         return jax.lax.scan(one_layer, x_BLD, layers)
 
 
@@ -133,20 +134,26 @@ def len_layers(stacked) -> int:
     return jax.tree.leaves(stacked)[0].shape[0]
 
 
-def sqrt_segments(n_layers: int) -> int:
-    """The divisor of n_layers closest to sqrt(n_layers): how many remat segments to use."""
-    divisors = [d for d in range(1, n_layers + 1) if n_layers % d == 0]
-    return min(divisors, key=lambda d: (abs(d - n_layers ** 0.5), d))
+def sqrt_segment_size(n_layers: int) -> int:
+    """Layers per remat segment: round(sqrt(L)), so there are about sqrt(L) segments. When it
+    does not divide L (a prime L such as 7, 11, 13), the last segment is shorter."""
+    return max(1, round(n_layers ** 0.5))
 
 
-def _segmented_scan(one_layer, x_BLD, layers, segments: int):
-    """Outer scan over segments (checkpointed: only its input is kept), inner scan over layers."""
-    per_segment = len_layers(layers) // segments
-    grouped = jax.tree.map(lambda a: a.reshape(segments, per_segment, *a.shape[1:]), layers)
+def _segmented_scan(one_layer, x_BLD, layers, size: int):
+    """Checkpointed segments of `size` layers (only each segment's input is kept): an outer scan
+    over the full segments, each an inner scan over its layers, then a shorter last segment."""
+    n_layers = len_layers(layers)
+    full, rest = divmod(n_layers, size)
 
     @jax.checkpoint
     def one_segment(x, segment_layers):
         return jax.lax.scan(one_layer, x, segment_layers)
 
-    x_BLD, stats = jax.lax.scan(one_segment, x_BLD, grouped)
-    return x_BLD, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
+    head = jax.tree.map(lambda a: a[:full * size].reshape(full, size, *a.shape[1:]), layers)
+    x_BLD, stats = jax.lax.scan(one_segment, x_BLD, head)
+    stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
+    if rest:
+        x_BLD, tail_stats = one_segment(x_BLD, jax.tree.map(lambda a: a[full * size:], layers))
+        stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, tail_stats)
+    return x_BLD, stats
