@@ -22,7 +22,7 @@ EXIT_DIVERGED = 1
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
     configs = [a for a in args if a.endswith((".yaml", ".yml")) and "=" not in a]
     if len(configs) > 1:
-        raise ConfigError(f"give at most one config file, got {', '.join(configs)}.")
+        raise ConfigError(f"give at most one config file, got {', '.join(map(repr, configs))}.")
     return (configs[0] if configs else None), [a for a in args if a not in configs]
 
 

@@ -48,6 +48,14 @@ BAD_INPUTS = {
     "virtual without interleaving": (["parallel.pipeline.virtual=2"], "needs parallel.pipeline.schedule=interleaved"),
     "accumulation with pipelining": (["mesh.data=4", "mesh.stage=2", "train.grad_accum=2"],
                                      "use parallel.pipeline.microbatches instead of train.grad_accum"),
+    "zero 2 with interleaved stages": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
+                                        "parallel.pipeline.virtual=2", "parallel.zero=2"],
+                                       "parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3."),
+    "noisy top-k with accumulation": (["model.moe.experts=4", "model.moe.router=topk", "train.grad_accum=2"],
+                                      "cannot be combined with train.grad_accum > 1; set model.moe.noise=false."),
+    "negative seed": (["train.seed=-1"], "train.seed must be between 0 and 2**63 - 1, got -1."),
+    "non-finite learning rate": (["train.lr=nan"], "train.lr must be a finite number, got nan."),
+    "empty data source": (["data.source="], "data.source must be a non-empty path"),
 }
 
 

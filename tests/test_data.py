@@ -42,3 +42,23 @@ def test_validation_split_is_held_out():
     assert len(val) == 100 and train[-1] + 1 == val[0]
     batches = BatchSampler(val, 8, 2, 0).fixed_batches(3)
     assert len(batches) == 3 and all(b.min() >= 900 for b in batches)
+
+
+@pytest.mark.parametrize("val_fraction", [0.05, 0.3])
+def test_val_fraction_holds_out_the_tail_and_training_never_reads_it(session_for, tmp_path, val_fraction):
+    """data.val_fraction through the session: the validation split is the last int(N x fraction)
+    tokens, and no training window (of any step) nor validation window crosses the boundary.
+    Each token's value is its position in the file, so a window says where it came from."""
+    n = 20_000
+    np.arange(n, dtype=np.uint16).tofile(tmp_path / "positions.bin")
+    session = session_for(f"data.source={tmp_path / 'positions.bin'}", f"model.vocab_size={n}", "model.seq_len=64",
+                          "train.batch_size=64", f"data.val_fraction={val_fraction}", "train.eval_batches=4")
+    n_val = int(n * val_fraction)
+    boundary = n - n_val
+    assert len(session.val_data.tokens) == n_val and len(session.train_data.tokens) == boundary
+    train_windows = np.concatenate([session.train_data.batch(step) for step in range(200)])
+    assert train_windows.max() < boundary
+    assert train_windows.min() < 0.01 * boundary and train_windows.max() > 0.99 * boundary  # the whole train part
+    val_windows = np.concatenate(session.val_data.fixed_batches(session.cfg.train.eval_batches))
+    assert val_windows.min() == boundary and val_windows.max() == n - 1  # the whole tail, nothing before it
+    assert all(np.all(np.diff(w) == 1) for w in val_windows)  # contiguous windows

@@ -38,7 +38,7 @@ def test_overflowing_step_is_skipped_and_the_scale_halves(session_for):
     for index in range(2):
         state, _ = trainer.step(state, trainer.put_batch(session.train_data.batch(index)))
     # Inject an overflow at step 3: a scale of 2^100 makes the fp16 backward pass infinite.
-    huge = jnp.asarray(2.0 ** 100, jnp.float32)
+    huge = jax.device_put(jnp.asarray(2.0 ** 100, jnp.float32), trainer.replicated)  # placed: no recompile
     state = type(state)(state.step, state.params, state.opt_state,
                         LossScale(huge, state.loss_scale.good_steps, state.loss_scale.skipped_steps))
     before = jax.device_get((state.params, state.opt_state))
@@ -82,3 +82,57 @@ def test_gradients_that_underflow_in_fp16_survive_with_loss_scaling():
     assert np.mean(unscaled[alive] == 0) > 0.5, "without scaling most of these gradients flush to zero"
     assert np.mean(scaled[alive] == 0) < 0.01
     assert np.linalg.norm(scaled - reference) / np.linalg.norm(reference) < 0.01
+
+
+TINY = ("model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=2", "model.seq_len=16",
+        "train.batch_size=8")
+
+
+def test_fp32_nonfinite_step_is_skipped_under_on_nonfinite_skip(session_for):
+    """fp32 with train.on_nonfinite=skip: a step whose gradients are not finite leaves parameters and
+    optimizer state bit-identical and counts one skipped step; the next finite step updates again."""
+    session = session_for(*TINY, "mesh.data=8", "train.on_nonfinite=skip")
+    trainer = Trainer(session.cfg, session.mesh())
+    state, _ = trainer.step(trainer.init(), trainer.put_batch(session.train_data.batch(0)))
+    assert int(state.loss_scale.skipped_steps) == 0
+    # Inject: fp32 keeps a constant loss scale of 1; an infinite one makes every gradient inf/nan.
+    # (Placed like the state's scalars, so the step is not compiled again.)
+    infinite = jax.device_put(jnp.asarray(jnp.inf, jnp.float32), trainer.replicated)
+    state = type(state)(state.step, state.params, state.opt_state,
+                        LossScale(infinite, state.loss_scale.good_steps, state.loss_scale.skipped_steps))
+    before = jax.device_get((state.params, state.opt_state))
+    state, metrics = trainer.step(state, trainer.put_batch(session.train_data.batch(1)))
+    after = jax.device_get((state.params, state.opt_state))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)  # bit-identical
+    assert not np.isfinite(float(metrics["grad_norm"]))
+    assert int(metrics["skipped_steps"]) == 1 and int(state.step) == 2
+    # back to a scale of 1: the next step is finite and applied, and the count stays at 1
+    one = jax.device_put(jnp.asarray(1.0, jnp.float32), trainer.replicated)
+    state = type(state)(state.step, state.params, state.opt_state,
+                        LossScale(one, state.loss_scale.good_steps, state.loss_scale.skipped_steps))
+    state, metrics = trainer.step(state, trainer.put_batch(session.train_data.batch(2)))
+    assert np.isfinite(float(metrics["grad_norm"])) and int(metrics["skipped_steps"]) == 1
+    moved = jax.device_get(state.params)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(moved)))
+
+
+def test_on_nonfinite_skip_trains_on_where_stop_would_end_the_run(tmp_path, capsys):
+    """The loop under train.on_nonfinite=skip: a learning rate of 1e30 overflows the weights after
+    step 1, every later step is skipped and counted, and the run ends normally (exit 0). (The stop
+    side, exit 1 with one sentence, is tests/test_checkpoint.py's non-finite test.)"""
+    import json
+
+    from jaxpar.cli import main
+
+    run_dir = tmp_path / "run"
+    code = main(["train", "--no-progress", *TINY, "run.devices=1", "train.steps=4", "train.log_every=1",
+                 "train.eval_batches=1", "train.lr=1e30", "train.warmup=0", "train.on_nonfinite=skip",
+                 f"run.dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert np.isfinite(rows[0]["grad_norm"]) and rows[0]["skipped_steps"] == 0
+    assert [r["skipped_steps"] for r in rows[1:]] == [1, 2, 3]
+    assert not any(np.isfinite(r["grad_norm"]) for r in rows[1:])

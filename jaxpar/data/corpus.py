@@ -28,6 +28,13 @@ def _text_tokens(text: str) -> np.ndarray:
 
 def load_tokens(source: str, vocab_size: int) -> np.ndarray:
     """All tokens of a source as a 1-D array (memory-mapped for .bin files)."""
+    try:
+        return _load_tokens(source, vocab_size)
+    except OSError as e:  # a name too long, no permission, a device file, ...
+        raise DataError(f"data.source {source!r} cannot be read ({e.strerror or type(e).__name__}).") from None
+
+
+def _load_tokens(source: str, vocab_size: int) -> np.ndarray:
     if source == "builtin" or not source.endswith(".bin"):
         if vocab_size < BYTE_VOCAB:
             raise DataError(f"text is tokenized as bytes, so model.vocab_size must be at least {BYTE_VOCAB}, "
@@ -38,6 +45,8 @@ def load_tokens(source: str, vocab_size: int) -> np.ndarray:
         raise DataError(f"data.source '{source}' does not exist.")
     if path.stat().st_size % 2:
         raise DataError(f"data.source '{source}' has an odd byte count, so it is not a file of uint16 tokens.")
+    if path.stat().st_size == 0:
+        raise DataError(f"data.source '{source}' is empty.")
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     if tokens.size and int(tokens.max()) >= vocab_size:
         raise DataError(f"data.source '{source}' holds token {int(tokens.max())}, outside "
@@ -62,5 +71,6 @@ def split_tokens(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple
     need = seq_len + 2
     if len(tokens) - n_val < need or n_val < need:
         raise DataError(f"the corpus has {len(tokens)} tokens, too few for windows of model.seq_len={seq_len} "
-                        f"in both the train and validation parts (need at least {int(need / min(val_fraction, 1 - val_fraction)) + 1}).")
+                        f"in both the train and validation parts (data.val_fraction={val_fraction} leaves "
+                        f"{len(tokens) - n_val} and {n_val} tokens, and each part needs at least {need}).")
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
