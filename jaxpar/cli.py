@@ -2,8 +2,9 @@
 
 User mistakes (config, devices, data, a checkpoint that does not fit the config) end in one
 sentence on stderr and exit code 2, before anything is compiled. A training run whose loss
-stops being finite ends in one sentence and exit code 1. In a multi-process run, a process
-that loses a peer ends in one sentence naming it and exit code 3.
+stops being finite, or whose checkpoint cannot be restored although it is not damaged, ends
+in one sentence and exit code 1. In a multi-process run, a process that loses a peer, or
+whose coordinator stops answering, ends in one sentence naming it and exit code 3.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import sys
 
 from jaxpar.config import ConfigError, load_config
-from jaxpar.errors import UserError
+from jaxpar.errors import RunFailed, UserError
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 1
@@ -171,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         if not distributed.is_secondary():  # every process finds the same mistake; process 0 says it once
             print(f"jaxpar: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RunFailed as e:
+        distributed.abandon()
+        if not (e.everywhere and distributed.is_secondary()):
+            print(f"jaxpar: error: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         distributed.abandon()
         print("jaxpar: interrupted.", file=sys.stderr)

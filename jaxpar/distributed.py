@@ -17,12 +17,15 @@ this sentence, not a C++ abort, is what a user sees when a worker dies.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 import threading
 import time
+from typing import Callable, TypeVar
 
 from jaxpar.config import ConfigError
+from jaxpar.errors import RunFailed
 
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
@@ -30,6 +33,15 @@ ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
 ENV_LOCAL_DEVICES = "JAXPAR_LOCAL_DEVICES"  # emulated CPU devices per process (set by `jaxpar launch`)
 EXIT_LOST = 3  # a peer process was lost (distinct from 1 = diverged and 2 = user mistake)
 _KEY_PREFIX = "jaxpar/alive/"
+_TRIES, _RETRY_SLEEP_S = 3, 1.0  # a coordinator call that fails for no expected reason is tried this often
+_SHARE_TIMEOUT_MS = 120_000  # how long share() waits for a peer's value (the peers are at most a read behind)
+_T = TypeVar("_T")
+
+
+class CoordinatorFailed(RunFailed):
+    """A call to the coordinator's key-value store kept failing; like a lost process 0, this ends the run."""
+
+    exit_code = EXIT_LOST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +128,7 @@ class Watchdog:
                 self.client.key_value_increment(own_key, 1)
                 counters = dict(self.client.key_value_dir_get(_KEY_PREFIX))
                 rpc_failed_since = None
-            except Exception:  # noqa: BLE001 - the runtime raises plain errors when the coordinator is gone
+            except _runtime_error():  # the coordinator is gone or slow; it is declared lost below after `timeout`
                 rpc_failed_since = rpc_failed_since or now
                 if now - rpc_failed_since > self.timeout and not self._stop.is_set():
                     self._lost(0, "the coordinator it runs cannot be reached")
@@ -231,22 +243,78 @@ class StopAgreement:
         self._stop_at: int | None = None
 
     def should_stop(self, step: int, signalled: bool) -> bool:
-        """Whether to stop after `step` (call once per step on every process, in step order)."""
+        """Whether to stop after `step` (call once per step on every process, in step order).
+
+        Raises CoordinatorFailed when the key-value store keeps failing: a process that cannot
+        learn of a stop must not train on past it.
+        """
         if not self.multi:
             return signalled
         client = _client()
         if signalled and not self._published:
+            # ALREADY_EXISTS: another process published first, and its step holds for everyone.
+            ask_coordinator("publishing the stop step in the coordinator",
+                            lambda: client.key_value_set(self.KEY, str(step + 2)), expected="ALREADY_EXISTS")
             self._published = True
-            try:
-                client.key_value_set(self.KEY, str(step + 2))
-            except Exception:  # noqa: BLE001 - another process published first; its value holds
-                pass
         if self._stop_at is None:
-            try:
-                self._stop_at = int(client.key_value_try_get(self.KEY))
-            except Exception:  # noqa: BLE001 - not published (the runtime raises NOT_FOUND)
+            # NOT_FOUND: no process has seen a signal yet.
+            value = ask_coordinator("reading the stop step from the coordinator",
+                                    lambda: client.key_value_try_get(self.KEY), expected="NOT_FOUND")
+            if value is None:
                 return False
+            self._stop_at = int(value)
         return step >= self._stop_at
+
+
+_shares = itertools.count()  # every process calls share() in the same order, so the n-th calls meet
+
+
+def share(value: str) -> list[str]:
+    """Every process's `value`, in process order; returns only once all of them have published theirs,
+    so it is also a barrier. Call it on every process, in the same order. A single process gets [value]."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [value]
+    client, prefix = _client(), f"jaxpar/share/{next(_shares)}/"
+    # ALREADY_EXISTS: an earlier try got through although its answer was lost.
+    ask_coordinator("publishing a value for the other processes in the coordinator",
+                    lambda: client.key_value_set(f"{prefix}{jax.process_index()}", value), expected="ALREADY_EXISTS")
+    return [ask_coordinator(f"reading the value of process {peer} from the coordinator",
+                            lambda peer=peer: client.blocking_key_value_get(f"{prefix}{peer}", _SHARE_TIMEOUT_MS))
+            for peer in range(jax.process_count())]
+
+
+def ask_coordinator(what: str, call: Callable[[], _T], expected: str | None = None) -> _T | None:
+    """`call()` on the coordinator's key-value store, which reports errors as a JaxRuntimeError whose
+    text starts with an absl status ("NOT_FOUND: ..."). Returns None when it fails with the `expected`
+    status; retries any other failure a few times, then raises CoordinatorFailed saying that `what` failed."""
+    for attempt in range(_TRIES):
+        if attempt:
+            time.sleep(_RETRY_SLEEP_S)
+        try:
+            return call()
+        except _runtime_error() as e:
+            if str(e).split(":", 1)[0] == expected:
+                return None
+            failure = e
+    import jax
+
+    raise CoordinatorFailed(f"{what} failed {_TRIES} times ({_first_sentence(failure)}); process "
+                            f"{jax.process_index()} stops, resume from the last checkpoint.")
+
+
+def _first_sentence(error: Exception) -> str:
+    """'UNAVAILABLE: Failed to send RPC to coordination service' out of the runtime's multi-line report."""
+    text = " ".join(str(error).split()).split(". ")[0].rstrip(".")
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _runtime_error() -> type[Exception]:
+    """The type of the coordinator client's errors (imported late: jax must not start before initialize)."""
+    from jax.errors import JaxRuntimeError
+
+    return JaxRuntimeError
 
 
 def _client():

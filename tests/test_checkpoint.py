@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, restore onto another layout, SIGKILL and SIGTERM, damaged
-checkpoints, checkpoints that do not fit the config, and a non-finite loss.
+checkpoints and errors that are not damage, checkpoints that do not fit the config, and a
+non-finite loss.
 
 Every run is the tiny preset with one metrics line per step. The learning-rate schedule
 spans 40 steps whatever train.steps is, so a run of any length follows the same trajectory
@@ -16,9 +17,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxpar.cli import main
+from jaxpar.train.checkpoint import Checkpoints, is_damage
 
 BASE = ["configs/tiny_test.yaml", "train.log_every=1", "train.lr_schedule_steps=40", "train.eval_batches=1"]
 # step_time_s and tokens_per_s are wall-clock; everything else must match exactly.
@@ -261,6 +264,92 @@ def _delete_metadata_file(step_dir: Path) -> None:
     (step_dir / "meta" / "metadata").unlink()
 
 
+def _largest_array_file(step_dir: Path) -> Path:
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _delete_largest_array_file(step_dir: Path) -> None:
+    _largest_array_file(step_dir).unlink()
+
+
+def _garbage_in_largest_array_file(step_dir: Path) -> None:
+    path = _largest_array_file(step_dir)
+    path.write_bytes(np.random.default_rng(0).bytes(path.stat().st_size))
+
+
+def _cut_meta_json(step_dir: Path) -> None:
+    path = step_dir / "meta" / "metadata"
+    path.write_text(path.read_text()[:100])
+
+
+def _meta_json_without_its_fields(step_dir: Path) -> None:
+    (step_dir / "meta" / "metadata").write_text('{"step": 10}')
+
+
+def _delete_state_folder(step_dir: Path) -> None:
+    shutil.rmtree(step_dir / "state")
+
+
+DAMAGE = {"truncated array file": _truncate_largest_array_file, "missing array file": _delete_largest_array_file,
+          "garbage in array file": _garbage_in_largest_array_file, "missing meta file": _delete_metadata_file,
+          "unparsable meta": _cut_meta_json, "meta without its fields": _meta_json_without_its_fields,
+          "missing state folder": _delete_state_folder}
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    """A trainer for the layout of `ten_steps`, shared by tests that only restore."""
+    from jaxpar.config import load_config
+    from jaxpar.session import prepare
+    from jaxpar.train.trainer import Trainer
+
+    session = prepare(load_config(BASE[0], BASE[1:]))
+    return Trainer(session.cfg, session.mesh())
+
+
+@pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
+def test_each_kind_of_damage_is_set_aside_for_the_previous_checkpoint(damage, tmp_path, ten_steps, trainer):
+    run_dir = copy_of(ten_steps, tmp_path)
+    damage(run_dir / "checkpoints" / "10")
+    warnings = []
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=3)
+    restored = checkpoints.restore_latest(trainer, warnings.append)
+    checkpoints.close()
+    assert restored.step == 5
+    assert len(warnings) == 1 and warnings[0].startswith(f"the checkpoint at step 10 in {run_dir / 'checkpoints'} "
+                                                         "is damaged and cannot be read (")
+    assert checkpoint_steps(run_dir) == [5] and (run_dir / "damaged_checkpoints" / "10").is_dir()
+
+
+def test_only_missing_cut_short_or_garbled_files_count_as_damage():
+    def raised_from(cause: Exception) -> Exception:
+        try:
+            raise Exception("Encountered error while reading array index: (slice(0, 2, 1),).") from cause
+        except Exception as e:  # noqa: BLE001 - Orbax's own wrapper type
+            return e
+
+    # What Orbax and TensorStore raised when a checkpoint was damaged on purpose.
+    assert is_damage(FileNotFoundError(2, "No such file or directory"))
+    assert is_damage(IsADirectoryError(21, "Is a directory"))
+    assert is_damage(json.JSONDecodeError("Expecting value", '{"step": ', 9))
+    assert is_damage(UnicodeDecodeError("utf-8", b"\xc5", 0, 1, "invalid continuation byte"))
+    assert is_damage(KeyError("Item \"state\" was not found in the checkpoint. Available items: ['meta']"))
+    assert is_damage(ValueError('NOT_FOUND: Error opening "zarr" driver: Metadata at "step/.zarray" does not exist'))
+    assert is_damage(ValueError('DATA_LOSS: Error reading "step/.zarray": Error decoding b-tree node'))
+    assert is_damage(raised_from(ValueError("OUT_OF_RANGE: Error reading \"x/0.0\": Requested byte range [3, 9) is "
+                                            "not valid for value of size 4")))
+    assert is_damage(raised_from(ValueError('FAILED_PRECONDITION: Error reading "x/0.0": ZSTD_decompressStream() '
+                                            'failed: Unknown frame descriptor')))
+    # Anything else is not: a bug, out of memory, a sharding error.
+    assert not is_damage(KeyError("spec"))
+    assert not is_damage(TypeError("unsupported operand type(s) for +: 'int' and 'str'"))
+    assert not is_damage(ValueError("One of pjit outputs was given the sharding of NamedSharding(...), which implies "
+                                    "that the global size of its dimension 0 should be divisible by 8"))
+    assert not is_damage(raised_from(ValueError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")))
+    assert not is_damage(MemoryError())
+    assert not is_damage(OSError(12, "Cannot allocate memory"))
+
+
 @pytest.mark.parametrize("damage", [_truncate_largest_array_file, _delete_metadata_file], ids=["truncated", "missing"])
 def test_damaged_checkpoint_is_reported_and_skipped(damage, tmp_path, capsys, ten_steps, reference):
     run_dir = copy_of(ten_steps, tmp_path)
@@ -299,3 +388,50 @@ def test_nonfinite_loss_stops_with_exit_1_naming_the_last_good_checkpoint(tmp_pa
     assert last == (f"jaxpar: training stopped at step 2 because the gradient norm is nan; the last good checkpoint "
                     f"is step 1 in {run_dir / 'checkpoints'} (train.on_nonfinite=skip would skip such steps instead).")
     assert checkpoint_steps(run_dir) == [1]
+
+
+@pytest.mark.parametrize("error", [
+    ValueError("One of pjit outputs was given the sharding of NamedSharding(mesh=Mesh('data': 8), spec=P('data',)), "
+               "which implies that its dimension 0 is divisible by 8"),
+    RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB")], ids=["sharding", "memory"])
+def test_an_error_that_is_not_damage_ends_the_run_and_moves_nothing(error, tmp_path, capsys, ten_steps, monkeypatch):
+    run_dir = copy_of(ten_steps, tmp_path)
+    before = (run_dir / "metrics.jsonl").read_bytes()
+
+    def failing_restore(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", failing_restore)
+    code, err = train_here(capsys, run_dir, "train.steps=12", "checkpoint.every=5")
+    assert code == 1
+    assert err.strip().splitlines() == [
+        f"jaxpar: error: restoring the checkpoint at step 10 in {run_dir / 'checkpoints'} failed with "
+        f"{type(error).__name__}: {error}, which is not damage to the checkpoint, so every checkpoint stays where it "
+        "is; fix the cause and run the same command again."]
+    assert checkpoint_steps(run_dir) == [5, 10] and not (run_dir / "damaged_checkpoints").exists()
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_fallback_trims_metrics_to_the_restored_step_and_keeps_the_file(tmp_path):
+    from jaxpar.config import load_config
+    from jaxpar.train.loop import trim_metrics
+
+    t = load_config(BASE[0], [*BASE[1:], "train.steps=10"]).train
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step, "loss": 10.0 - step}) + "\n" for step in range(1, 11)))
+    assert [r["step"] for r in trim_metrics(path, 4, t)] == [1, 2, 3, 4]
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": step, "loss": 10.0 - step} for step in range(1, 5)]
+    assert trim_metrics(path, 0, t) == [] and path.read_text() == ""  # step 0: emptied, not deleted
+
+
+def test_synchronous_checkpoints_save_and_resume(tmp_path, capsys, ten_steps, trainer, reference):
+    run_dir = copy_of(ten_steps, tmp_path)
+    code, err = train_here(capsys, run_dir, "train.steps=12", "checkpoint.every=5", "checkpoint.async=false")
+    assert code == 0 and f"resuming from the checkpoint at step 10 in {run_dir / 'checkpoints'}" in err
+    assert checkpoint_steps(run_dir) == [5, 10, 12] and partial_saves(run_dir) == []
+    assert metrics(run_dir) == reference[:12]
+    # The step saved without a background thread reads back.
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=3, async_save=False)
+    assert checkpoints.restore_latest(trainer, warn=pytest.fail).step == 12
+    checkpoints.close()

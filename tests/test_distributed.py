@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from jaxpar import distributed
 from jaxpar.config import ConfigError, MeshConfig
-from jaxpar.distributed import ProcessSetup, from_environment
+from jaxpar.distributed import CoordinatorFailed, ProcessSetup, StopAgreement, from_environment
 from jaxpar.validation import host_split
 
 TINY = ["model.d_model=64", "model.n_layers=2", "model.seq_len=64", "train.batch_size=16", "train.log_every=1",
@@ -76,6 +77,21 @@ def test_pipeline_across_processes_and_checkpoints_cross_process_counts(tmp_path
         resumed = _train(tmp_path / target, *settings, processes=processes)
         assert "resuming from the checkpoint at step 2" in resumed.stderr
         _assert_same_losses(_losses(tmp_path / target), reference)
+
+
+def test_damaged_checkpoint_is_set_aside_by_process_0_and_every_process_falls_back(tmp_path):
+    settings = ["mesh.data=2", "mesh.tensor=4", "train.steps=2", "checkpoint.every=1"]
+    run_dir = tmp_path / "run"
+    _train(run_dir, *settings)
+    written = _losses(run_dir)
+    (run_dir / "checkpoints" / "2" / "meta" / "metadata").unlink()
+    resumed = _train(run_dir, *settings, processes=2)
+    warnings = [line for line in resumed.stderr.splitlines() if "jaxpar: warning:" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("[0] jaxpar: warning: the checkpoint at step 2 ")
+    assert "[0] jaxpar: resuming from the checkpoint at step 1 " in resumed.stderr
+    assert (run_dir / "damaged_checkpoints" / "2").is_dir()
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [1, 2]
+    _assert_same_losses(_losses(run_dir), written)
 
 
 def _child_pid(run_dir: Path, process_id: int) -> int | None:
@@ -184,3 +200,88 @@ def test_verify_across_two_processes_against_a_per_process_reference():
     assert len(reports) == 1 and reports[0].startswith("[0] ")  # process 0 reports for the run
     report = json.loads(reports[0][4:])
     assert report["ok"] and report["loss_max_rel_err"] <= 1e-5 and report["param_max_rel_err"] <= 1e-4
+
+
+def test_plan_across_two_processes_prints_its_table_once():
+    result = _jaxpar("launch", "--processes", "2", "--devices-per-process", "4", "--", "plan", *TINY, "mesh.data=2",
+                     "mesh.tensor=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [line for line in result.stdout.splitlines() if "per device" in line] == [
+        "[0] per device                        bytes          MiB"]
+    assert not [line for line in result.stdout.splitlines() if line.startswith("[1] ")]
+    reports = [json.loads(line[4:]) for line in result.stdout.splitlines() if line.startswith("[0] {")]
+    assert len(reports) == 1 and reports[0]["flops"] > 0
+
+
+def test_launch_kills_the_others_a_grace_period_after_one_process_fails(tmp_path, monkeypatch, capsys):
+    from jaxpar.cli import main
+
+    # Stands in for `python -m jaxpar train`: process 1 fails at once, process 0 would run for a minute.
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nif [ "$JAXPAR_PROCESS_ID" = 1 ]; then echo failed >&2; exit 5; fi\nexec sleep 60\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    started = time.monotonic()
+    code = main(["launch", "--processes", "2", "--grace", "1", "--", "train"])
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 5 and elapsed < 10, (code, elapsed, err)
+    assert err.splitlines() == ["[1] failed", "jaxpar launch: process 1 exited with code 5.",
+                                "jaxpar launch: process 0 did not stop 1 s after process 1 failed; killing it.",
+                                "jaxpar launch: process 0 was killed by SIGKILL after process 1 was lost."]
+
+
+class _Coordinator:
+    """The coordinator's key-value store as StopAgreement sees it: each failing call raises the runtime's error
+    for the next status in `set_errors` or `get_errors`, as the real one does."""
+
+    def __init__(self, stop_at: str | None = None, set_errors=(), get_errors=()):
+        self.stop_at, self.set_errors, self.get_errors, self.gets = stop_at, list(set_errors), list(get_errors), 0
+
+    @staticmethod
+    def _error(status: str) -> Exception:
+        from jax.errors import JaxRuntimeError
+
+        return JaxRuntimeError(f"{status}: injected. Additional GRPC error information from remote target")
+
+    def key_value_set(self, key: str, value: str) -> None:
+        if self.set_errors:
+            raise self._error(self.set_errors.pop(0))
+        self.stop_at = value
+
+    def key_value_try_get(self, key: str) -> str:
+        self.gets += 1
+        if self.get_errors:
+            raise self._error(self.get_errors.pop(0))
+        if self.stop_at is None:
+            raise self._error("NOT_FOUND")
+        return self.stop_at
+
+
+def _agreement(monkeypatch, coordinator: _Coordinator) -> StopAgreement:
+    monkeypatch.setattr(distributed, "_client", lambda: coordinator)
+    monkeypatch.setattr(distributed, "_RETRY_SLEEP_S", 0.0)
+    agreement = StopAgreement()
+    agreement.multi = True  # as in a multi-process run, whose coordinator is `coordinator`
+    return agreement
+
+
+def test_stop_agreement_takes_not_found_as_no_stop_yet_and_already_exists_as_an_earlier_publisher(monkeypatch):
+    assert not _agreement(monkeypatch, _Coordinator()).should_stop(3, signalled=False)
+    ours = _agreement(monkeypatch, _Coordinator())
+    assert [ours.should_stop(step, signalled=True) for step in (3, 4, 5)] == [False, False, True]
+    theirs = _agreement(monkeypatch, _Coordinator(stop_at="7", set_errors=["ALREADY_EXISTS"]))
+    assert [theirs.should_stop(step, signalled=True) for step in (3, 4, 5, 6, 7)] == [False] * 4 + [True]
+
+
+def test_stop_agreement_retries_a_failing_coordinator_then_ends_the_run_in_one_sentence(monkeypatch):
+    coordinator = _Coordinator(get_errors=["UNAVAILABLE"])
+    assert not _agreement(monkeypatch, coordinator).should_stop(3, signalled=False)
+    assert coordinator.gets == 2  # a second try got the answer
+    coordinator = _Coordinator(get_errors=["UNAVAILABLE"] * distributed._TRIES)
+    with pytest.raises(CoordinatorFailed) as failed:
+        _agreement(monkeypatch, coordinator).should_stop(3, signalled=False)
+    assert coordinator.gets == distributed._TRIES
+    assert str(failed.value) == (f"reading the stop step from the coordinator failed {distributed._TRIES} times "
+                                 "(UNAVAILABLE: injected); process 0 stops, resume from the last checkpoint.")
+    assert failed.value.exit_code == distributed.EXIT_LOST

@@ -15,12 +15,18 @@ gathered whole on one host.
 
 Orbax writes a step into a temporary folder and renames it when complete, so a save that
 was killed is never listed; leftover temporary folders are removed when the manager opens.
+
+A checkpoint whose files are missing, cut short or garbled is damaged: it is set aside and the
+previous one restored. Any other error while restoring (a bug, out of memory, a sharding error)
+ends the run and leaves every checkpoint where it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
+import json
 import os
 import shutil
 from pathlib import Path
@@ -30,8 +36,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxpar import distributed
 from jaxpar.config import Config, flatten_dict
-from jaxpar.errors import UserError
+from jaxpar.errors import RunFailed, UserError
 from jaxpar.train.precision import LossScale
 from jaxpar.train.step import TrainState
 
@@ -42,6 +49,18 @@ _SLOW_SAVE_SECONDS = 600
 
 class CheckpointMismatch(UserError):
     """A checkpoint that cannot be restored into this config (another model shape, optimizer or seed)."""
+
+
+class RestoreFailed(RunFailed):
+    """Restoring a checkpoint failed for a reason other than damage; every checkpoint is left in place."""
+
+
+class _Damaged(Exception):
+    """The checkpoint at one step is damaged (on some process); `cause` says how, on one line."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause)
+        self.cause = cause
 
 
 @dataclasses.dataclass
@@ -120,12 +139,72 @@ def check_compatible(meta: dict, cfg: Config, abstract_state, where: str) -> Non
                                  f"there and {expected.get(key)} here); use another run.dir.")
 
 
-def _brief(error: Exception) -> str:
+def _brief(error: BaseException) -> str:
     """The root cause of a read error on one line, short enough for a one-sentence report."""
     while error.__cause__ is not None:  # Orbax wraps TensorStore's precise message
         error = error.__cause__
     text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) <= 160 else text[:157] + "..."
+
+
+# What Orbax 0.12.8 and TensorStore 0.1.86 raise for a damaged checkpoint, found by damaging one on purpose:
+# - a missing file (meta/metadata) or one that cannot be read (a folder in its place): OSError;
+# - a missing item folder (meta/ or state/): KeyError 'Item "state" was not found in the checkpoint ...';
+# - a truncated or garbled JSON file (meta/metadata, state/_METADATA): JSONDecodeError, UnicodeDecodeError;
+# - a missing, truncated or garbled array file (state/manifest.ocdbt, state/d/*, state/ocdbt.process_*/d/*):
+#   TensorStore's plain ValueError whose text starts with an absl status: NOT_FOUND, DATA_LOSS, OUT_OF_RANGE
+#   (a byte range past a cut-short file), or FAILED_PRECONDITION "Error reading ..." (a stream that does not
+#   decompress). Orbax raises it as is, or as the cause of its own plain Exception "Encountered error while
+#   reading array index". Other statuses (RESOURCE_EXHAUSTED, ...) and other ValueErrors are not damage.
+_DAMAGE_STATUSES = ("NOT_FOUND:", "DATA_LOSS:", "OUT_OF_RANGE:")
+
+
+def is_damage(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from, says that a checkpoint file is missing, cut short or
+    garbled (rather than a bug, out of memory, a sharding error, ...)."""
+    while error is not None:
+        if _says_damage(error):
+            return True
+        error = error.__cause__
+    return False
+
+
+def _says_damage(error: BaseException) -> bool:
+    if isinstance(error, OSError):
+        return error.errno != errno.ENOMEM
+    if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
+        return True
+    text = str(error)
+    if type(error) is KeyError:
+        return "was not found in the checkpoint" in text
+    if type(error) is ValueError:
+        undecodable = text.startswith("FAILED_PRECONDITION:") and "Error reading" in text
+        return text.startswith(_DAMAGE_STATUSES) or undecodable
+    return False
+
+
+def _check_meta(meta) -> dict:
+    """`meta` if it holds the fields every checkpoint's meta has, else _Damaged (valid JSON, but not ours)."""
+    if not (isinstance(meta, dict) and isinstance(meta.get("step"), int) and isinstance(meta.get("spec"), dict)
+            and isinstance(meta.get("config"), dict)):
+        raise _Damaged("its meta item lacks the step, spec or config")
+    return meta
+
+
+# Orbax names its barriers "<prefix>_<name>"; without a prefix of ours, its async and sync checkpointers differ.
+_BARRIER_PREFIX = "jaxpar"
+
+
+def _rejoin_restore_barrier() -> None:
+    """After a failed Orbax restore, meet the other processes where a successful one would have ended.
+
+    Orbax 0.12.8 ends every restore with a barrier across processes ("Checkpointer:restore", a
+    collective). A process whose read failed never got there, so the processes whose read worked
+    would wait there for ever; each read is shared among the processes right after (see `_read`).
+    """
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(ocp.multihost.unique_barrier_key("Checkpointer:restore",
+                                                                             prefix=_BARRIER_PREFIX))
 
 
 class _SlowSaveForTests(ocp.path.atomicity.AtomicRenameTemporaryPath):
@@ -152,6 +231,7 @@ class Checkpoints:
             options = ocp.CheckpointManagerOptions(
                 preservation_policy=ocp.checkpoint_managers.LatestN(self.keep),
                 enable_async_checkpointing=self.async_save, cleanup_tmp_directories=True,
+                multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=_BARRIER_PREFIX),
                 temporary_path_class=_SlowSaveForTests if os.environ.get(SLOW_SAVE_ENV) else None)
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         return self._manager
@@ -176,45 +256,81 @@ class Checkpoints:
     def restore_latest(self, trainer, warn: Callable[[str], None]) -> Restored | None:
         """Restore the newest readable checkpoint onto `trainer`'s layout, or None when there is none.
 
-        A checkpoint that cannot be read is reported (one sentence naming its step), moved to
-        <run.dir>/damaged_checkpoints/ and skipped for the previous one. Raises CheckpointMismatch
-        before anything is compiled or moved when the newest readable checkpoint does not fit the config.
+        A damaged checkpoint (see `is_damage`) is reported (one sentence naming its step), moved to
+        <run.dir>/damaged_checkpoints/ and skipped for the previous one; in a multi-process run,
+        process 0 moves it while the others wait. Raises CheckpointMismatch before anything is
+        compiled or moved when the newest readable checkpoint does not fit the config, and
+        RestoreFailed, moving nothing, when a restore fails for another reason.
         """
         abstract = jax.eval_shape(trainer.init)
         damaged: list[tuple[int, str]] = []
         restored = None
         for step in reversed(self.steps()):
             try:
-                meta = self._open().restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-            except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise plain Exception for unreadable files
-                damaged.append((step, _brief(e)))
-                continue
-            check_compatible(meta, trainer.cfg, abstract, str(self.directory))
-            try:
-                state = self._restore_state(step, trainer, abstract, meta)
-            except Exception as e:  # noqa: BLE001 - as above
-                damaged.append((step, _brief(e)))
-                continue
-            restored = Restored(self._adapt_loss_scale(state, meta, trainer), step, meta)
-            break
+                restored = self._restore_step(step, trainer, abstract)
+                break
+            except _Damaged as e:
+                damaged.append((step, e.cause))
         fallback = f"falling back to step {restored.step}" if restored else "training starts from step 0"
         for step, cause in damaged:
-            self._set_aside(step)
             warn(f"the checkpoint at step {step} in {self.directory} is damaged and cannot be read ({cause}); "
                  f"{fallback}, and the damaged one is moved to {self._damaged_dir(step)}.")
+        if damaged:
+            self._set_aside([step for step, _ in damaged])
         if restored is not None:
             self.last_step = restored.step
         return restored
 
+    def _restore_step(self, step: int, trainer, abstract) -> Restored:
+        """The checkpoint at `step` on `trainer`'s layout; _Damaged when some process finds it damaged."""
+        try:
+            meta = _check_meta(self._read(step, meta=ocp.args.JsonRestore()).meta)
+            check_compatible(meta, trainer.cfg, abstract, str(self.directory))
+            state = self._restore_state(step, trainer, abstract, meta)
+            return Restored(self._adapt_loss_scale(state, meta, trainer), step, meta)
+        except (_Damaged, CheckpointMismatch, RestoreFailed):
+            raise
+        except Exception as e:  # noqa: BLE001 - not damage (a bug, out of memory, a sharding error): end the run
+            raise RestoreFailed(self._not_damage(step, f"{type(e).__name__}: {_brief(e)}")) from e
+
+    def _read(self, step: int, **items):
+        """Orbax's restore of `items` of `step` on every process. Raises _Damaged when some process found
+        damage, and RestoreFailed (on every process) when some process failed otherwise."""
+        try:
+            restored, outcome = self._open().restore(step, args=ocp.args.Composite(**items)), ("ok", "", "")
+        except Exception as e:  # noqa: BLE001 - sorted into damage or not here, and raised again by _settle
+            restored, outcome = None, ("damaged" if is_damage(e) else "failed", type(e).__name__, _brief(e))
+            _rejoin_restore_barrier()
+        self._settle(step, [json.loads(o) for o in distributed.share(json.dumps(outcome))])
+        return restored
+
+    def _settle(self, step: int, outcomes: list) -> None:
+        """Raise what the worst of the processes' read outcomes calls for (a failure, then damage), if any."""
+        where = [f" on process {p}" if len(outcomes) > 1 else "" for p in range(len(outcomes))]
+        for process, (kind, name, text) in enumerate(outcomes):
+            if kind == "failed":
+                raise RestoreFailed(self._not_damage(step, f"{name}: {text}", where[process]), everywhere=True)
+        for process, (kind, _, text) in enumerate(outcomes):
+            if kind == "damaged":
+                raise _Damaged(text + where[process])
+
+    def _not_damage(self, step: int, cause: str, where: str = "") -> str:
+        return (f"restoring the checkpoint at step {step} in {self.directory} failed{where} with {cause}, which is "
+                f"not damage to the checkpoint, so every checkpoint stays where it is; fix the cause and run the "
+                f"same command again.")
+
     def _damaged_dir(self, step: int) -> Path:
         return self.directory.parent / "damaged_checkpoints" / str(step)
 
-    def _set_aside(self, step: int) -> None:
-        # Kept for inspection, but out of Orbax's folder: it must not block a new save of this step.
-        target = self._damaged_dir(step)
-        shutil.rmtree(target, ignore_errors=True)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(self.directory / str(step), target)
+    def _set_aside(self, steps: list[int]) -> None:
+        # Kept for inspection, but out of Orbax's folder: they must not block a new save of their step.
+        if not distributed.is_secondary():
+            for step in steps:
+                target = self._damaged_dir(step)
+                shutil.rmtree(target, ignore_errors=True)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(self.directory / str(step), target)
+        distributed.share("set aside")  # the others list the checkpoints again only once process 0 has moved them
         self._open().reload()
 
     def _restore_state(self, step: int, trainer, abstract, meta: dict) -> TrainState:
@@ -226,8 +342,7 @@ class Checkpoints:
             return jax.ShapeDtypeStruct(wanted[like].shape, wanted[like].dtype, sharding=shardings[like])
 
         # Orbax restores the saved tree whole, so saved stale weights are read even when they are dropped.
-        tree = self._open().restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_nest({key: target(key) for key in meta["spec"]})))).state
+        tree = self._read(step, state=ocp.args.StandardRestore(_nest({key: target(key) for key in meta["spec"]}))).state
         arrays = _unnest(tree)
         for key in wanted.keys() - arrays.keys():
             # Only 2BW's stale weights can be missing (see check_compatible): they start as a copy of the weights.

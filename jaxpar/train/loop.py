@@ -95,6 +95,19 @@ def _logged(step: int, t) -> bool:
     return step % t.log_every == 0 or step in (1, t.steps)
 
 
+def _kept_metrics(path: Path, step: int, t) -> list[dict]:
+    """The rows of metrics.jsonl that an uninterrupted run would have logged up to `step`."""
+    return [r for r in read_jsonl(path) if r["step"] <= step and _logged(r["step"], t)]
+
+
+def trim_metrics(path: Path, step: int, t) -> list[dict]:
+    """Cut metrics.jsonl down to its rows up to `step` (empty for step 0, but kept), and return them:
+    training goes on from `step`, so the later rows are redone."""
+    history = _kept_metrics(path, step, t)
+    write_jsonl_atomic(path, history)
+    return history
+
+
 def train(session: Session, progress: bool = True) -> dict:
     """Train (resuming from <run.dir>/checkpoints when it holds one), write metrics.jsonl, summary.json
     and loss.png under run.dir, and return the summary.
@@ -102,8 +115,10 @@ def train(session: Session, progress: bool = True) -> dict:
     On SIGTERM/SIGINT the current step is finished and checkpointed, and the returned dict has
     'preempted' (the signal's name) and 'step'. Raises NonFiniteLoss when the loss stops being
     finite under train.on_nonfinite=stop, and CheckpointMismatch (a UserError) before anything
-    is compiled when the checkpoint does not fit the config. The last save is on disk before
-    this returns or raises.
+    is compiled when the checkpoint does not fit the config. Raises a RunFailed when a checkpoint
+    cannot be restored although it is not damaged (RestoreFailed, nothing moved or trimmed), or
+    when the coordinator of a multi-process run stops answering (CoordinatorFailed). The last
+    save is on disk before this returns or raises.
     """
     cfg = session.cfg
     trainer = Trainer(cfg, session.mesh())
@@ -124,15 +139,10 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     primary = _primary()
     if resumed is not None:
         state, start = resumed.state, resumed.step
-        # Keep what an uninterrupted run would have logged up to the checkpoint; later lines are redone.
-        history = [r for r in read_jsonl(metrics_path) if r["step"] <= start and _logged(r["step"], t)]
-        if primary:
-            write_jsonl_atomic(metrics_path, history)
         _say(f"jaxpar: resuming from the checkpoint at step {start} in {checkpoints.directory}")
     else:
-        state, start, history = trainer.init(), 0, []
-        if primary:
-            metrics_path.unlink(missing_ok=True)
+        state, start = trainer.init(), 0
+    history = trim_metrics(metrics_path, start, t) if primary else _kept_metrics(metrics_path, start, t)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     processes = ""
     if jax.process_count() > 1:
