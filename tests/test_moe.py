@@ -51,12 +51,35 @@ def _metrics(session, trainer, steps=1):
     return {k: v.tolist() for k, v in metrics.items()}
 
 
-def test_expert_choice_fills_every_expert_exactly():
-    session, trainer = _trainer("model.moe.router=expert_choice", "mesh.data=2", "mesh.expert=4")
+def test_expert_choice_fills_every_expert_exactly_and_counts_the_tokens_it_misses():
+    """With capacity factor 0.5 the experts hold half a group's worth of slots between them,
+    so at least half of the tokens reach no expert: measured, not assumed."""
+    session, trainer = _trainer("model.moe.router=expert_choice", "mesh.data=2", "mesh.expert=4",
+                                "model.moe.capacity_factor=0.5")
     metrics = _metrics(session, trainer)
     assert metrics["moe_load_cv"] == pytest.approx(0.0, abs=1e-6)
-    assert metrics["moe_dropped_fraction"] == 0.0
+    assert "moe_dropped_fraction" not in metrics  # nothing overflows; no constant stands in for a measurement
+    assert 0.5 <= metrics["moe_unrouted_fraction"] < 1.0
     assert len(metrics["moe_expert_tokens"]) == 8
+
+
+def test_unrouted_fraction_for_switch_is_its_dropped_fraction():
+    """Top-1 with a capacity: a token whose assignment is dropped reaches no expert."""
+    session, trainer = _trainer("model.moe.router=switch", "mesh.data=8", "model.moe.capacity_factor=0.5", *SMALL)
+    metrics = _metrics(session, trainer)
+    assert metrics["moe_unrouted_fraction"] == pytest.approx(metrics["moe_dropped_fraction"], abs=1e-6)
+    assert metrics["moe_unrouted_fraction"] > 0.3
+
+
+def test_bf16_verify_reports_routing_changes_and_judges_the_other_weights(session_for):
+    """bf16 activations route some tokens differently from the fp32 reference: verify counts
+    them, reports the MoE weights' error apart and judges every other weight as usual."""
+    result = verify(session_for("train.steps=3", *MOE, *SMALL, "model.moe.router=topk", "mesh.data=2",
+                                "mesh.expert=2", "mesh.tensor=2", "train.precision=bf16"), log=lambda line: None)
+    assert result["ok"], result
+    assert result["routing_changes"] >= 0 and result["param_max_rel_err"] <= 1e-2
+    if result["routing_changes"]:
+        assert "moe_param_max_rel_err" in result
 
 
 def test_switch_drops_fewer_tokens_with_more_capacity():

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxpar.runtime import make_mesh
 from jaxpar.session import Session
+from jaxpar.train.checkpoint import flat_by_path
 from jaxpar.train.trainer import Trainer
 
 # (loss, parameters) maximum relative errors accepted, by compute precision.
@@ -60,24 +61,50 @@ def verify(session: Session, log=print) -> dict:
 
     state = layout.init()
     ref_state = reference.put_state(layout.to_model_order(jax.device_get(gather(state))))
-    loss_errors = []
+    loss_errors, moved = [], 0
     sampler = session.train_data
+    moe_layers = cfg.model.n_layers // cfg.model.moe.every if cfg.model.moe.experts else 0
     for index in range(cfg.train.steps):
         starts = sampler.starts(index)
         state, metrics = layout.step(state, layout.put_windows(sampler, starts))
         ref_state, ref_metrics = reference.step(ref_state, reference.put_batch(sampler.windows(starts)))
         loss, ref_loss = float(metrics["loss"]), float(ref_metrics["loss"])
         loss_errors.append(abs(loss - ref_loss) / abs(ref_loss))
+        if moe_layers:
+            moved += _moved_assignments(metrics, ref_metrics, moe_layers)
         log(f"step {index + 1}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}")
 
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
-    param_errors = [_rel(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params))]
+    errors = {key: _rel(np.asarray(a), np.asarray(ref[key])) for ref in [flat_by_path(ref_params)]
+              for key, a in flat_by_path(params).items()}
     loss_tol, param_tol = TOLERANCES[cfg.train.precision]
-    result = {
-        "ok": bool(max(loss_errors) <= loss_tol and max(param_errors) <= param_tol),
-        "layout": layout_name(session),
-        "steps": cfg.train.steps,
-        "loss_max_rel_err": max(loss_errors),
-        "param_max_rel_err": max(param_errors),
-    }
-    return result
+    result = {"layout": layout_name(session), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
+              "param_max_rel_err": max(errors.values())}
+    judged = errors
+    if moe_layers:
+        result["routing_changes"] = moved
+        if moved and cfg.train.precision != "fp32":
+            # Low-precision activations route some tokens differently from the fp32 reference, and
+            # a moved token changes its experts' and the router's gradients outright. Those weights
+            # are reported, not judged; every other weight is judged at the usual tolerance.
+            moe = _moe_weights(errors)
+            result["moe_param_max_rel_err"] = max(errors[k] for k in moe)
+            judged = {k: e for k, e in errors.items() if k not in moe}
+            result["param_max_rel_err"] = max(judged.values())
+    result["ok"] = bool(max(loss_errors) <= loss_tol and max(judged.values()) <= param_tol
+                        and (cfg.train.precision != "fp32" or not result.get("routing_changes")))
+    return {"ok": result.pop("ok"), **result}
+
+
+def _moved_assignments(metrics, ref_metrics, moe_layers: int) -> int:
+    """At least how many token-to-expert assignments differ between the two runs this step:
+    half the L1 distance between their per-expert token counts, over all MoE layers (a token
+    that moves leaves one expert's count and joins another's; moves that cancel are not seen)."""
+    counts, ref_counts = (np.asarray(m["moe_expert_tokens"], np.float64) * moe_layers for m in (metrics, ref_metrics))
+    return int(round(np.abs(counts - ref_counts).sum() / 2))
+
+
+def _moe_weights(errors: dict) -> set[str]:
+    """Paths of mixture-of-experts weights: everything in a module that holds a router."""
+    modules = {key.rsplit("/w_router", 1)[0] + "/" for key in errors if "/w_router" in key}
+    return {key for key in errors if any(key.startswith(m) for m in modules)}
