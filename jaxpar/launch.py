@@ -47,6 +47,7 @@ class _Stream(threading.Thread):
         super().__init__(daemon=True)
         self.pipe, self.out, self.prefix, self.verbose, self.lock = pipe, out, prefix, verbose, lock
         self.fatal: str | None = None
+        self._after_cr = False  # the last segment ended in \r: a \n right after it ends the same line
 
     def run(self) -> None:
         buffer = b""
@@ -59,6 +60,9 @@ class _Stream(threading.Thread):
             self._emit(buffer + b"\n")
 
     def _emit(self, segment: bytes) -> None:
+        after_cr, self._after_cr = self._after_cr, segment.endswith(b"\r")
+        if after_cr and segment == b"\n":  # the rest of a \r\n: no line of its own
+            return
         text = segment.rstrip(b"\r\n")
         if match := _FATAL.match(text):
             self.fatal = self.fatal or match.group(1).decode(errors="replace")

@@ -111,13 +111,21 @@ def state_spec(state) -> dict[str, list]:
 
 
 def _must_match(config: dict) -> list[str]:
-    """Config keys that fix a checkpoint's contents (array shapes, optimizer state) or its data order."""
-    return [f"model.{key}" for key in config["model"]] + ["train.optimizer", "train.seed"]
+    """Config keys that fix a checkpoint's contents (array shapes, optimizer state) or its data order.
+
+    The routing settings of a mixture of experts (group size, capacity, loss weights) change
+    no array, and the automatic group size follows the tokens per device, so they may change
+    with the layout on resume; whether there are experts, how many and where, and the router
+    (top-k alone has a noise weight) must match."""
+    model = [f"model.{key}" for key in config["model"] if key != "moe"]
+    return model + ["model.moe.experts", "model.moe.every", "model.moe.router", "train.optimizer", "train.seed"]
 
 
 def _config_value(config: dict, dotted: str):
-    section, key = dotted.split(".")
-    return config.get(section, {}).get(key)
+    node = config
+    for key in dotted.split("."):
+        node = node.get(key, {}) if isinstance(node, dict) else None
+    return None if node == {} else node
 
 
 def check_compatible(meta: dict, cfg: Config, abstract_state, where: str) -> None:
