@@ -12,7 +12,9 @@ The config is jaxpar's (defaults: the tiny model). In one process the script tim
 Each runs W warm-up steps (compilation included), then N steps timed one by one, each ending
 in `jax.block_until_ready`. Reported: median step time and tokens/s = batch_size*seq_len /
 median, as a markdown table and, on the last line, as JSON. On a GPU host the table also has
-model FLOPs utilization (6*params + attention FLOPs per token, against peak dense bf16).
+model FLOPs utilization: 6 x active parameters (for a mixture of experts, the router and the
+top-k experts a token uses, not all E) + attention FLOPs per token, against the device's peak
+dense FLOP/s in the compute dtype (train.precision: bf16/fp16 tensor cores, or TF32 for fp32).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import json
 import sys
 
 from jaxpar.config import ConfigError, load_config
-from jaxpar.validation import validate
+from jaxpar.validation import validate, with_derived
 from jaxpar.runtime import setup_devices
 
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).
@@ -30,7 +32,8 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("settings", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")
 parser.add_argument("--steps", type=int, default=10, help="timed steps per layout (default 10)")
 parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps, compile included (default 3)")
-parser.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s per device, for MFU")
+parser.add_argument("--peak-tflops", type=float, default=None,
+                    help="peak dense TFLOP/s per device in the compute dtype, for MFU")
 ARGS = parser.parse_args()
 if ARGS.steps < 1 or ARGS.warmup < 1:
     parser.error("--steps and --warmup must be at least 1")
@@ -50,8 +53,14 @@ from jaxpar.model import Transformer  # noqa: E402
 from jaxpar.runtime import make_mesh  # noqa: E402
 from jaxpar.train.trainer import Trainer  # noqa: E402
 
-# Peak dense bf16 FLOP/s per device, matched by substring of device_kind (first match wins).
-PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+# Peak dense FLOP/s per device by compute dtype (fp32 runs its matmuls as TF32), matched by
+# substring of device_kind (first match wins). Vendor datasheet figures, without sparsity.
+PEAK_FLOPS = {
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 378e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 495e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 495e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
+}
 
 
 def host_batches(cfg, count: int) -> list[np.ndarray]:
@@ -104,23 +113,34 @@ def layouts(n: int) -> list[tuple[int, int]]:
 def trainer_seconds(cfg, devices, batches: list[np.ndarray], warmup: int) -> float:
     """Time jaxpar's Trainer step for cfg's mesh over `devices`."""
     sizes = validate(cfg, len(devices))
-    trainer = Trainer(cfg, make_mesh(sizes, devices))
+    trainer = Trainer(with_derived(cfg, sizes), make_mesh(sizes, devices))
     return median_step_seconds(trainer.step, trainer.init(), trainer.put_batch, batches, warmup)
 
 
-def flops_per_token(cfg) -> float:
-    """6 * params (forward + backward matmuls) + 12 * layers * d_model * seq_len (attention)."""
+def active_params(cfg) -> int:
+    """Parameters one token uses: all of a dense model; in an MoE layer, the router and the
+    top-k experts (top-1 for Switch and, on average, capacity_factor for Expert Choice) of E."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
-    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    moe = cfg.model.moe
+    per_token = {"topk": moe.top_k, "switch": 1, "expert_choice": moe.capacity_factor}[moe.router]
+    total = 0.0
+    for path, leaf in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        names = leaf.get_metadata().get("out_sharding") or ()
+        total += leaf.size * (per_token / moe.experts if "expert" in names else 1)
+    return int(total)
+
+
+def flops_per_token(cfg) -> float:
+    """6 * active params (forward + backward matmuls) + 12 * layers * d_model * seq_len (attention)."""
     m = cfg.model
-    return 6 * n_params + 12 * m.n_layers * m.d_model * m.seq_len
+    return 6 * active_params(cfg) + 12 * m.n_layers * m.d_model * m.seq_len
 
 
-def peak_flops(device) -> float | None:
-    """Peak dense bf16 FLOP/s of one device: --peak-tflops, else looked up by device_kind."""
+def peak_flops(device, precision: str) -> float | None:
+    """Peak dense FLOP/s of one device in the compute dtype: --peak-tflops, else by device_kind."""
     if ARGS.peak_tflops is not None:
         return ARGS.peak_tflops * 1e12
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device.device_kind), None)
+    return next((v[precision] for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
 
 
 def main() -> int:
@@ -146,7 +166,7 @@ def main() -> int:
             print(f"skipping {name}: {e}")
 
     on_gpu = devices[0].platform == "gpu"
-    per_token, peak = (flops_per_token(cfg), peak_flops(devices[0])) if on_gpu else (None, None)
+    per_token, peak = (flops_per_token(cfg), peak_flops(devices[0], cfg.train.precision)) if on_gpu else (None, None)
     base_tps = tokens_per_step / timed[0][2]
     rows = []
     for name, n, seconds in timed:

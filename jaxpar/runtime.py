@@ -18,7 +18,12 @@ from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig
 from jaxpar.validation import host_split
 
 DEFAULT_CPU_DEVICES = 8
-_ACCELERATOR_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm7-plugin", "libtpu")
+_GPU_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm7-plugin")
+_ACCELERATOR_PLUGINS = _GPU_PLUGINS + ("libtpu",)
+# Set on a GPU host unless the user set XLA_FLAGS: the latency-hiding scheduler overlaps
+# collectives with compute (collectives are already asynchronous by default in this XLA; the
+# old --xla_gpu_enable_async_* flags are gone, and XLA aborts on an unknown flag).
+GPU_XLA_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
@@ -32,11 +37,12 @@ def requested_devices(cfg: Config) -> int | None:
     raise ConfigError(f"run.devices must be 'auto' or a positive number, got {value!r}.")
 
 
-def has_accelerator_plugin() -> bool:
+def has_accelerator_plugin(plugins: tuple[str, ...] = _ACCELERATOR_PLUGINS) -> bool:
+    """Whether one of `plugins` is installed and JAX_PLATFORMS does not restrict jax to the CPU."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms and set(platforms.split(",")) <= {"cpu"}:
         return False
-    for name in _ACCELERATOR_PLUGINS:
+    for name in plugins:
         try:
             importlib.metadata.version(name)
             return True
@@ -51,6 +57,12 @@ def _emulate_cpu_devices(count: int) -> None:
         return
     flags = _COUNT_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).strip()
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def _default_gpu_flags() -> None:
+    """On a GPU host, XLA_FLAGS=GPU_XLA_FLAGS unless the user set XLA_FLAGS (theirs win, whole)."""
+    if "XLA_FLAGS" not in os.environ and has_accelerator_plugin(_GPU_PLUGINS):
+        os.environ["XLA_FLAGS"] = GPU_XLA_FLAGS
 
 
 def _jax_backend_started() -> bool:
@@ -69,6 +81,8 @@ def setup_devices(cfg: Config) -> list:
     if on_cpu:
         per_process = distributed.local_device_count()
         _emulate_cpu_devices(per_process or max(wanted or DEFAULT_CPU_DEVICES, DEFAULT_CPU_DEVICES))
+    else:
+        _default_gpu_flags()
     if setup is not None:
         distributed.initialize(setup, cfg.run.heartbeat_timeout, on_cpu)
     import jax

@@ -26,9 +26,6 @@ class MoE(nnx.Module):
         moe, D, F = cfg.moe, cfg.d_model, cfg.d_ff
         E = moe.experts
         self.router, self.top_k, self.noise = moe.router, moe.top_k, moe.noise
-        if moe.group_size <= 0:
-            raise ValueError("model.moe.group_size=0 (automatic) must be resolved for the mesh first: "
-                             "see jaxpar.validation.with_derived")
         self.group_size, self.capacity_factor = moe.group_size, moe.capacity_factor
         self.w_router = param(rngs.params(), (D, E), ("embed", None), D ** -0.5)
         self.w_noise = (nnx.Param(jnp.zeros((D, E), jnp.float32), out_sharding=("embed", None), eager_sharding=False)
@@ -37,6 +34,9 @@ class MoE(nnx.Module):
         self.w_down = param(rngs.params(), (E, F, D), ("expert", "mlp", "embed"), F ** -0.5 / math.sqrt(2 * cfg.n_layers))
 
     def __call__(self, x_BLD: jax.Array, noise_key: jax.Array | None = None):
+        if self.group_size <= 0:
+            raise ValueError("model.moe.group_size=0 (automatic) must be resolved for the mesh before the model "
+                             "runs: see jaxpar.validation.with_derived")
         B, L, D = x_BLD.shape
         # Training batches hold whole groups (validated); a shorter input (generating one
         # sequence) is routed as one group per sequence.

@@ -38,8 +38,10 @@ def _names(variable: nnx.Variable, ndim: int) -> tuple:
 class Layout:
     """Shardings and in-step hooks for one mesh, rules table and ZeRO stage."""
 
-    def __init__(self, mesh: jax.sharding.Mesh, zero: int = 0, rules: dict = RULES):
+    def __init__(self, mesh: jax.sharding.Mesh, zero: int = 0, rules: dict = RULES,
+                 compute_dtype=jnp.float32):
         self.mesh, self.zero, self.rules = mesh, zero, rules
+        self.compute_dtype = compute_dtype  # ZeRO-3 gathers weights in it
         self.sizes = dict(mesh.shape)
         # Only axes of size > 1 are made manual: XLA's SPMD partitioner rejects the tensor
         # all-reduces of a shard_map that is manual over size-1 axes only (tensor=N alone).
@@ -142,10 +144,8 @@ class Layout:
         if layer is not None:
             d -= 1  # a layer's slice of a stacked weight has no 'layers' dimension
         if self.zero >= 3:
-            # Gathered in fp32 so the gradient's reduce-scatter also runs in fp32 (XLA:CPU aborts
-            # on a bf16 reduce-scatter here, and fp32 gradient sums are what mixed precision wants).
-            full = jax.lax.all_gather(shard.astype(jnp.float32), axes, axis=d, tiled=True)
-            return variable.replace(full.astype(shard.dtype))
+            dtype = self.compute_dtype if jnp.issubdtype(shard.dtype, jnp.floating) else shard.dtype
+            return variable.replace(_gathered_in(shard, dtype, d, axes))
         full = self._replicas[path]
         full = full if layer is None else jax.lax.dynamic_index_in_dim(full, layer, keepdims=False)
         return variable.replace(_replica_with_scattered_grad(shard, full.astype(shard.dtype), d, axes))
@@ -229,8 +229,9 @@ class Layout:
         return jax.tree.map(lambda v: v.replace(_is_stacked(v)), params, is_leaf=_is_var)
 
 
-# Primitives that expand a weight shard to the full weight (ZeRO-3 gathers, ZeRO-2 slices its replica).
-_EXPANDING_PRIMITIVES = frozenset({"all_gather", "dynamic_slice", "squeeze"})
+# Primitives that expand a weight shard to the full weight (ZeRO-3 gathers, ZeRO-2 slices its
+# replica; both wrapped in custom VJPs, which a checkpoint policy sees as one custom_vjp_call).
+_EXPANDING_PRIMITIVES = frozenset({"all_gather", "dynamic_slice", "squeeze", "custom_vjp_call"})
 
 
 def _keep_all_but_expanded_weights(primitive, *_, **__) -> bool:
@@ -254,6 +255,26 @@ def _replica_bwd(dim, axes, _, grad):
 
 
 _replica_with_scattered_grad.defvjp(_replica_fwd, _replica_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gathered_in(shard, dtype, dim, axes):
+    """Forward: the full weight, all-gathered in the compute dtype (half the bytes of fp32 in
+    bf16). Backward: its gradient reduce-scattered in fp32 onto the shard, in the shard's dtype
+    (fp32 sums are what mixed precision wants, and XLA:CPU aborts on a bf16 reduce-scatter)."""
+    return jax.lax.all_gather(shard.astype(dtype), axes, axis=dim, tiled=True)
+
+
+def _gathered_fwd(shard, dtype, dim, axes):
+    return _gathered_in(shard, dtype, dim, axes), jnp.zeros((), shard.dtype)
+
+
+def _gathered_bwd(dtype, dim, axes, like, grad):
+    summed = jax.lax.psum_scatter(grad.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
+    return (summed.astype(like.dtype),)
+
+
+_gathered_in.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 def _path_key(path) -> tuple[str, ...]:

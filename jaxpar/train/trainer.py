@@ -17,7 +17,7 @@ from jaxpar.parallel import Layout
 from jaxpar.parallel.schedules import build as build_schedule
 from jaxpar.parallel.schedules import storage_order
 from jaxpar.train.optim import lr_schedule, make_optimizer
-from jaxpar.train.precision import LossScale
+from jaxpar.train.precision import COMPUTE_DTYPES, LossScale
 from jaxpar.train.step import TrainState, make_eval_step, make_train_step
 
 
@@ -31,7 +31,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
         self.cfg, self.mesh = cfg, mesh
-        self.layout = Layout(mesh, zero=cfg.parallel.zero)
+        self.layout = Layout(mesh, zero=cfg.parallel.zero, compute_dtype=COMPUTE_DTYPES[cfg.train.precision])
         abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
         self.graphdef, abstract_params = nnx.split(abstract_model)
         self.tx = make_optimizer(cfg.train)
