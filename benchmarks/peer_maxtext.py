@@ -1,0 +1,486 @@
+"""Side-by-side training throughput of jaxpar and MaxText 0.2.5 on 8 emulated CPU devices.
+
+Usage:
+    python benchmarks/peer_maxtext.py [--rounds 3] [--layouts fsdp8,fsdp4_tp2,data8,fsdp4_pp2,tp8]
+        [--steps 20] [--skip 5] [--cache-dir DIR] [--out benchmarks/results/peer_maxtext.png]
+        [--python PATH] [--jaxpar-python PATH] [--timeout 1800] [--keep] [--setup-only]
+
+On first use it creates a virtual environment in --cache-dir (default
+~/.cache/jaxpar/maxtext-0.2.5) and pip-installs `maxtext[tpu]==0.2.5` into it from the package
+index, showing pip's output (about 10 minutes and 2.8 GB, so it is not part of the test suite); a
+stamp file there makes later runs reuse it. The interpreter is --python, else a Python 3.12 that
+runs (this one, PATH, pyenv's versions), else this one or any newer one found.
+
+Measured: for each layout and round, `jaxpar train` and MaxText's
+`python -m maxtext.trainers.pre_train.train` run one after the other (the order flips every round)
+as subprocesses with XLA_FLAGS=--xla_force_host_platform_device_count=8 and JAX_PLATFORMS=cpu, on
+the same model shape, bf16 compute, full remat, global batch and mesh. Each trains --steps steps;
+the first --skip are dropped (compilation, warm-up) and the median of the remaining per-step
+times gives tokens/s = global batch * seq / seconds. jaxpar's per-step time is `step_time_s` in
+<run.dir>/metrics.jsonl (time between the completions of successive steps); MaxText's is the
+`seconds:` of its `completed step: N, seconds: S, ...` log lines (time between successive loop
+iterations, which wait on the previous step's metrics; MaxText compiles before step 0, and its
+steps 0 and 1 are dispatch only, hence --skip of at least 2). The table reports, per layout,
+the median over rounds of those per-round medians and their ratio; a bar chart goes to --out and
+one JSON line with everything ends the output.
+
+The shape: vocab 32000, d_model 256, 4 heads of 64 (8 heads of 32 for tensor 8, which cannot split
+4 heads), 4 layers, seq 256, global batch 8 (MaxText's per_device_batch_size 1), untied output
+head (MaxText's default), RoPE. jaxpar's GeLU MLP with d_ff 1536 does the FLOPs of MaxText's
+SwiGLU with mlp_dim 1024 (two matmuls of 1536 against three of 1024).
+jaxpar reads its byte-level built-in corpus (bytes fit the 32000 vocab); MaxText uses synthetic
+data. The CPU is shared and noisy: only the side-by-side ratios mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MAXTEXT_REQUIREMENT = "maxtext[tpu]==0.2.5"
+DEFAULT_CACHE = Path.home() / ".cache" / "jaxpar" / "maxtext-0.2.5"
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "peer_maxtext.png"
+DEVICES = 8
+
+# The shape both sides train (see the docstring for the MLP equivalence).
+VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH = 32000, 256, 4, 4, 256, 8
+JAXPAR_D_FF, MAXTEXT_MLP_DIM = 1536, 1024
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One mesh, spelled for both sides."""
+
+    name: str
+    title: str
+    jaxpar: dict
+    maxtext: dict
+    heads: int = HEADS  # attention heads of D_MODEL // heads each
+
+    @property
+    def head_dim(self) -> int:
+        return D_MODEL // self.heads
+
+
+def _maxtext_mesh(fsdp=1, tensor=1, data=1, pipeline=1, microbatches=None) -> dict:
+    mesh = {"ici_fsdp_parallelism": fsdp, "ici_tensor_parallelism": tensor,
+            "ici_data_parallelism": data, "ici_pipeline_parallelism": pipeline}
+    if microbatches:
+        mesh["num_pipeline_microbatches"] = microbatches
+    return mesh
+
+
+LAYOUTS = {layout.name: layout for layout in (
+    Layout("fsdp8", "fsdp 8",
+           {"parallel.zero": 3, "mesh.data": 8},
+           _maxtext_mesh(fsdp=8)),
+    Layout("fsdp4_tp2", "fsdp 4 x tensor 2",
+           {"parallel.zero": 3, "mesh.data": 4, "mesh.tensor": 2},
+           _maxtext_mesh(fsdp=4, tensor=2)),
+    Layout("data8", "data 8",
+           {"parallel.zero": 0, "mesh.data": 8},
+           _maxtext_mesh(data=8)),
+    # MaxText's pipeline needs each microbatch to divide by the fsdp size: 8 / 2 = 4 rows over fsdp 4.
+    Layout("fsdp4_pp2", "fsdp 4 x pipeline 2 (gpipe, 2 microbatches)",
+           {"parallel.zero": 3, "mesh.data": 4, "mesh.stage": 2,
+            "parallel.pipeline.schedule": "gpipe", "parallel.pipeline.microbatches": 2},
+           _maxtext_mesh(fsdp=4, pipeline=2, microbatches=2)),
+    # Heads cannot be split across more tensor shards than there are (both sides refuse 4 heads
+    # over 8), so this layout alone has 8 heads of 32: the same parameters and FLOPs.
+    Layout("tp8", "tensor 8 (8 heads of 32)",
+           {"parallel.zero": 0, "mesh.data": 1, "mesh.tensor": 8},
+           _maxtext_mesh(tensor=8), heads=8),
+)}
+
+
+class BenchFailed(Exception):
+    """One side failed on one layout; the message is one line."""
+
+
+# ---------------------------------------------------------------- the MaxText environment
+
+def _runs_312(python: str) -> bool:
+    """Whether `python` really runs (a pyenv shim may not) and is 3.12 or newer."""
+    try:
+        done = subprocess.run([python, "-c", "import sys; sys.exit(sys.version_info < (3, 12))"],
+                              capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def find_python(explicit: str | None) -> str:
+    """A Python 3.12+ interpreter for MaxText's environment, found the way run.sh finds one.
+
+    3.12 comes first: maxtext[tpu] pulls pytype 2024.10.11, which has wheels up to cp312 only and
+    is compiled from source (a C++ toolchain, minutes) on 3.13.
+    """
+    if explicit:
+        if not _runs_312(explicit):
+            raise SystemExit(f"peer_maxtext: --python {explicit} does not run as Python 3.12 or newer.")
+        return explicit
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    candidates = [sys.executable] if sys.version_info[:2] == (3, 12) else []
+    candidates += ["python3.12", *sorted(str(p) for p in pyenv.glob("3.12*/bin/python3"))]
+    candidates += [sys.executable] if sys.version_info >= (3, 12) else []
+    candidates += ["python3.13", "python3", "python"]
+    candidates += sorted(str(p) for p in pyenv.glob("3.1[3-9]*/bin/python3"))
+    candidates += sorted(str(p) for d in ("/usr/local/bin", "/usr/bin") for p in Path(d).glob("python3.1[2-9]"))
+    for candidate in candidates:
+        if _runs_312(candidate):
+            return candidate
+    raise SystemExit("peer_maxtext: MaxText needs Python 3.12 or newer and none was found on PATH or in "
+                     "pyenv's versions; pass --python /path/to/python3.12.")
+
+
+def _venv_python(cache: Path) -> Path:
+    return cache / "venv" / "bin" / "python"
+
+
+def ensure_maxtext(cache: Path, python: str | None) -> Path:
+    """The MaxText environment's interpreter, creating the environment and installing MaxText on first use."""
+    stamp, venv_python = cache / "installed", _venv_python(cache)
+    if stamp.is_file() and stamp.read_text().strip() == MAXTEXT_REQUIREMENT and venv_python.is_file():
+        return venv_python
+    base = find_python(python)
+    cache.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    _say(f"peer_maxtext: creating {cache / 'venv'} with {base} and installing {MAXTEXT_REQUIREMENT} "
+         f"(about 10 minutes and 2.8 GB, once)")
+    _check_call([base, "-m", "venv", "--clear", str(cache / "venv")], "creating the virtual environment")
+    _check_call([str(venv_python), "-m", "pip", "install", "--disable-pip-version-check", MAXTEXT_REQUIREMENT],
+                f"pip install {MAXTEXT_REQUIREMENT}")
+    stamp.write_text(MAXTEXT_REQUIREMENT + "\n")
+    _say(f"peer_maxtext: installed {MAXTEXT_REQUIREMENT} in {time.perf_counter() - started:.0f} s "
+         f"({_size_gb(cache / 'venv'):.1f} GB)")
+    return venv_python
+
+
+def _check_call(command: list[str], what: str) -> None:
+    """Run a setup command with its output shown; exit with one line if it fails."""
+    if subprocess.run(command).returncode != 0:
+        raise SystemExit(f"peer_maxtext: {what} failed (see the output above).")
+
+
+def _size_gb(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()) / 1e9
+
+
+def maxtext_base_yml(cache: Path) -> Path:
+    """MaxText's configs/base.yml inside the installed package."""
+    found = sorted((cache / "venv" / "lib").glob("python3*/site-packages/maxtext/configs/base.yml"))
+    if not found:
+        raise SystemExit(f"peer_maxtext: no maxtext/configs/base.yml under {cache / 'venv'}; delete "
+                         f"{cache / 'installed'} to reinstall.")
+    return found[0]
+
+
+# ---------------------------------------------------------------- one run of each side
+
+def _env() -> dict:
+    """The environment both sides run in: 8 emulated CPU devices."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+def _run(command: list[str], log: Path, timeout: float, cwd: Path | None = None) -> None:
+    """Run a training subprocess with its output in `log`; raise BenchFailed with one line if it fails."""
+    with log.open("w") as out:
+        try:
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=cwd,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise BenchFailed(f"timed out after {timeout:.0f} s (log: {log})") from None
+    if done.returncode != 0:
+        raise BenchFailed(f"exit status {done.returncode}: {_last_error(log)} (log: {log})")
+
+
+def _last_error(log: Path) -> str:
+    """The most telling line of a failed run's output: the last exception line, else the last line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Failed)\b.*:", line)]
+    picked = (errors or lines or ["no output"])[-1]
+    return picked if len(picked) <= 300 else picked[:297] + "..."
+
+
+def jaxpar_command(python: str, layout: Layout, steps: int, run_dir: Path) -> list[str]:
+    """`jaxpar train` on the benchmark shape and `layout`, logging every step to run_dir/metrics.jsonl."""
+    settings = {
+        "model.vocab_size": VOCAB, "model.d_model": D_MODEL, "model.n_heads": layout.heads,
+        "model.n_layers": LAYERS, "model.d_ff": JAXPAR_D_FF, "model.seq_len": SEQ, "model.tie_embeddings": "false",
+        "model.positions": "rope", "mesh.expert": 1, "mesh.tensor": 1, "mesh.stage": 1,
+        "train.batch_size": BATCH, "train.precision": "bf16", "train.remat": "full",
+        "train.steps": steps, "train.log_every": 1, "train.eval_batches": 1,
+        "checkpoint.every": 0, "run.dir": str(run_dir), **layout.jaxpar,
+    }
+    return [python, "-m", "jaxpar", "train", *(f"{k}={v}" for k, v in settings.items()), "--no-progress"]
+
+
+def run_jaxpar(python: str, layout: Layout, steps: int, skip: int, work: Path, timeout: float) -> float:
+    """Median tokens/s of one `jaxpar train` run, from step_time_s in metrics.jsonl."""
+    run_dir = work / "run"
+    _run(jaxpar_command(python, layout, steps, run_dir), work / "jaxpar.log", timeout, cwd=REPO)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise BenchFailed(f"jaxpar wrote no {metrics}")
+    try:
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        seconds = [row["step_time_s"] for row in sorted(rows, key=lambda r: r["step"])]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise BenchFailed(f"{metrics} has no step_time_s per step ({type(e).__name__}: {e})") from None
+    return _tokens_per_s(seconds, steps, skip, "jaxpar")
+
+
+def maxtext_command(python: Path, base_yml: Path, layout: Layout, steps: int, out_dir: Path) -> list[str]:
+    """MaxText's pre-training entry point on the benchmark shape and `layout`, synthetic data, no checkpoints."""
+    settings = {
+        "run_name": "peer", "base_output_directory": str(out_dir),
+        "hardware": "cpu", "skip_jax_distributed_system": True, "attention": "dot_product",
+        "dataset_type": "synthetic", "enable_checkpointing": False,
+        "enable_goodput_recording": False, "monitor_goodput": False,
+        "base_emb_dim": D_MODEL, "base_num_query_heads": layout.heads, "base_num_kv_heads": layout.heads,
+        "base_mlp_dim": MAXTEXT_MLP_DIM, "base_num_decoder_layers": LAYERS, "head_dim": layout.head_dim,
+        "vocab_size": VOCAB, "max_target_length": SEQ, "per_device_batch_size": BATCH // DEVICES,
+        "steps": steps, "dtype": "bfloat16", "remat_policy": "full", **layout.maxtext,
+    }
+    return [str(python), "-m", "maxtext.trainers.pre_train.train", str(base_yml),
+            *(f"{k}={v}" for k, v in settings.items())]
+
+
+STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([0-9.eE+-]+)")
+
+
+def run_maxtext(python: Path, base_yml: Path, layout: Layout, steps: int, skip: int, work: Path,
+                timeout: float) -> float:
+    """Median tokens/s of one MaxText run, from its `completed step: N, seconds: S` lines."""
+    log = work / "maxtext.log"
+    _run(maxtext_command(python, base_yml, layout, steps, work / "out"), log, timeout)
+    per_step = {int(m[1]): float(m[2]) for m in STEP_LINE.finditer(log.read_text(errors="replace"))}
+    return _tokens_per_s([per_step[s] for s in sorted(per_step)], steps, skip, "MaxText")
+
+
+def _tokens_per_s(seconds: list[float], steps: int, skip: int, side: str) -> float:
+    """Global batch * seq over the median step time of steps skip+1 .. steps."""
+    if len(seconds) != steps:
+        raise BenchFailed(f"{side} reported {len(seconds)} step times, expected {steps}")
+    return BATCH * SEQ / statistics.median(seconds[skip:])
+
+
+# ---------------------------------------------------------------- rounds, table, chart
+
+@dataclass
+class Result:
+    """Per-round tokens/s of both sides on one layout, and the failures."""
+
+    layout: Layout
+    jaxpar: list[float] = field(default_factory=list)
+    maxtext: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def median(self, side: str) -> float | None:
+        values = getattr(self, side)
+        return statistics.median(values) if values else None
+
+    def ratio(self) -> float | None:
+        ours, theirs = self.median("jaxpar"), self.median("maxtext")
+        return ours / theirs if ours and theirs else None
+
+
+def run_rounds(args, layouts: list[Layout], maxtext_python: Path, base_yml: Path, scratch: Path) -> list[Result]:
+    """Each round runs every layout on both sides, alternating which side goes first."""
+    results = [Result(layout) for layout in layouts]
+    for round_index in range(args.rounds):
+        for result in results:
+            sides = ["jaxpar", "maxtext"] if round_index % 2 == 0 else ["maxtext", "jaxpar"]
+            for side in sides:
+                work = scratch / f"r{round_index + 1}-{result.layout.name}-{side}"
+                work.mkdir(parents=True)
+                _run_side(args, side, result, round_index, maxtext_python, base_yml, work)
+    return results
+
+
+def _run_side(args, side: str, result: Result, round_index: int, maxtext_python: Path, base_yml: Path,
+              work: Path) -> None:
+    """One side, one layout, one round: append its tokens/s, or record and print its failure."""
+    side_name = "jaxpar" if side == "jaxpar" else "MaxText"
+    label = f"round {round_index + 1}/{args.rounds} {result.layout.name} {side_name}"
+    started = time.perf_counter()
+    try:
+        if side == "jaxpar":
+            value = run_jaxpar(args.jaxpar_python, result.layout, args.steps, args.skip, work, args.timeout)
+        else:
+            value = run_maxtext(maxtext_python, base_yml, result.layout, args.steps, args.skip, work, args.timeout)
+    except BenchFailed as e:
+        result.failures.append(f"{label}: {e}")
+        _say(f"peer_maxtext: FAILED {label}: {e}")
+        return
+    getattr(result, side).append(value)
+    _say(f"peer_maxtext: {label}: {value:.0f} tokens/s ({time.perf_counter() - started:.0f} s wall)")
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(results: list[Result], commit: str) -> str:
+    lines = [f"jaxpar {commit} vs MaxText 0.2.5, {DEVICES} emulated CPU devices, tokens/s (median over rounds)",
+             "",
+             "| layout | jaxpar tok/s | MaxText tok/s | jaxpar / MaxText | jaxpar per round | MaxText per round |",
+             "| --- | ---: | ---: | ---: | --- | --- |"]
+    for r in results:
+        lines.append(f"| {r.layout.title} | {_fmt(r.median('jaxpar'))} | {_fmt(r.median('maxtext'))} | "
+                     f"{_fmt(r.ratio(), 2)} | {', '.join(f'{v:.0f}' for v in r.jaxpar) or '-'} | "
+                     f"{', '.join(f'{v:.0f}' for v in r.maxtext) or '-'} |")
+    return "\n".join(lines)
+
+
+def bar_chart(results: list[Result], commit: str, out: Path) -> None:
+    """Grouped bars of the median tokens/s per layout, jaxpar beside MaxText."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.8 * len(results) + 2), 4.5))
+    width = 0.38
+    for offset, side, name in ((-width / 2, "jaxpar", f"jaxpar {commit}"), (width / 2, "maxtext", "MaxText 0.2.5")):
+        ax.bar([i + offset for i in range(len(results))], [r.median(side) or 0 for r in results], width, label=name)
+    for i, r in enumerate(results):
+        if r.ratio() is not None:
+            top = max(r.median("jaxpar"), r.median("maxtext"))
+            ax.annotate(f"{r.ratio():.2f}x", (i, top), ha="center", va="bottom", fontsize=9)
+        for offset, side in ((-width / 2, "jaxpar"), (width / 2, "maxtext")):
+            if r.median(side) is None:
+                ax.annotate("failed", (i + offset, 0), ha="center", va="bottom", fontsize=8, rotation=90)
+    ax.set_xticks(range(len(results)), [r.layout.title.replace(" (", "\n(") for r in results], fontsize=8)
+    ax.set_ylim(0, 1.25 * max([r.median(side) or 0 for r in results for side in ("jaxpar", "maxtext")] + [1]))
+    ax.set_ylabel("tokens/s (median over rounds)")
+    ax.set_title(f"Training throughput, {DEVICES} emulated CPU devices\n"
+                 f"bf16, full remat, batch {BATCH} x {SEQ}; labels: jaxpar / MaxText", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def git_commit() -> str:
+    """The short commit of this checkout, with +dirty when tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def summary(args, results: list[Result], commit: str, failures: list[str]) -> dict:
+    """Everything measured, with the settings that produced it, for the final JSON line."""
+    return {
+        "benchmark": "peer_maxtext", "commit": commit, "maxtext": MAXTEXT_REQUIREMENT, "devices": DEVICES,
+        "shape": {"vocab": VOCAB, "d_model": D_MODEL, "heads": HEADS, "head_dim": D_MODEL // HEADS,
+                  "layers": LAYERS, "seq": SEQ, "global_batch": BATCH, "jaxpar_d_ff_gelu": JAXPAR_D_FF,
+                  "maxtext_mlp_dim_swiglu": MAXTEXT_MLP_DIM, "precision": "bf16", "remat": "full"},
+        "rounds": args.rounds, "steps": args.steps, "skip": args.skip,
+        "layouts": {r.layout.name: {"jaxpar": r.jaxpar, "maxtext": r.maxtext,
+                                    "jaxpar_median": r.median("jaxpar"), "maxtext_median": r.median("maxtext"),
+                                    "ratio": r.ratio(), "heads": r.layout.heads,
+                                    "jaxpar_settings": r.layout.jaxpar, "maxtext_settings": r.layout.maxtext}
+                    for r in results},
+        "failures": failures,
+    }
+
+
+# ---------------------------------------------------------------- command line
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def default_jaxpar_python() -> str:
+    """The repository's .venv interpreter when there is one, else this one."""
+    venv = REPO / ".venv" / "bin" / "python"
+    return str(venv) if venv.is_file() else sys.executable
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="times each layout runs on each side (default 3)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        help=f"comma-separated subset of {','.join(LAYOUTS)} (default all)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
+    parser.add_argument("--skip", type=int, default=5,
+                        help="first steps left out of the median (default 5; keep it at 2 or more: MaxText's "
+                             "first two step times are dispatch only, before its loop first waits on the device)")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
+                        help=f"where MaxText's virtual environment lives (default {DEFAULT_CACHE})")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"bar chart PNG (default {DEFAULT_OUT})")
+    parser.add_argument("--python", help="Python 3.12+ interpreter for MaxText's environment (first use only)")
+    parser.add_argument("--jaxpar-python", default=default_jaxpar_python(),
+                        help="interpreter that runs `-m jaxpar` (default: the repository's .venv, else this one)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one training run may take (default 1800)")
+    parser.add_argument("--keep", action="store_true", help="keep the run folders and logs even when all runs succeed")
+    parser.add_argument("--setup-only", action="store_true", help="only create (or check) MaxText's environment")
+    args = parser.parse_args(argv)
+    args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    unknown = [name for name in args.layouts if name not in LAYOUTS]
+    if unknown or not args.layouts:
+        parser.error(f"--layouts takes names from {','.join(LAYOUTS)}; got {','.join(unknown) or 'none'}")
+    if args.rounds < 1 or args.steps < 1 or not 0 <= args.skip < args.steps:
+        parser.error("--rounds and --steps must be at least 1, and --skip between 0 and --steps - 1")
+    if args.skip < 2:
+        _say("peer_maxtext: warning: with --skip below 2, MaxText's first step times (dispatch only, taken before "
+             "its loop waits on the device) enter the median and flatter it.")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cache = args.cache_dir.expanduser().resolve()
+    maxtext_python = ensure_maxtext(cache, args.python)
+    base_yml = maxtext_base_yml(cache)
+    if args.setup_only:
+        _say(f"peer_maxtext: MaxText is ready in {cache / 'venv'} (config {base_yml})")
+        return 0
+    commit = git_commit()
+    scratch = Path(tempfile.mkdtemp(prefix="peer_maxtext_"))
+    _say(f"peer_maxtext: jaxpar {commit} ({args.jaxpar_python}) vs {MAXTEXT_REQUIREMENT}, layouts "
+         f"{','.join(args.layouts)}, {args.rounds} round(s) of {args.steps} steps (first {args.skip} dropped); "
+         f"runs in {scratch}")
+    results = run_rounds(args, [LAYOUTS[name] for name in args.layouts], maxtext_python, base_yml, scratch)
+    failures = [line for r in results for line in r.failures]
+    print(markdown_table(results, commit))
+    for line in failures:
+        print(f"FAILED {line}")
+    try:
+        bar_chart(results, commit, args.out)
+        _say(f"peer_maxtext: chart written to {args.out}")
+    except ImportError as e:
+        _say(f"peer_maxtext: no chart: matplotlib is not importable here ({e}).")
+    if failures or args.keep:
+        _say(f"peer_maxtext: run folders and logs kept in {scratch}")
+    else:
+        shutil.rmtree(scratch)
+    print(json.dumps(summary(args, results, commit, failures)))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
