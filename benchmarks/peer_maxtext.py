@@ -29,7 +29,8 @@ The shape: vocab 32000, d_model 256, 4 heads of 64 (8 heads of 32 for tensor 8, 
 head (MaxText's default), RoPE. jaxpar's GeLU MLP with d_ff 1536 does the FLOPs of MaxText's
 SwiGLU with mlp_dim 1024 (two matmuls of 1536 against three of 1024).
 jaxpar reads its byte-level built-in corpus (bytes fit the 32000 vocab); MaxText uses synthetic
-data. The CPU is shared and noisy: only the side-by-side ratios mean anything.
+data. After its steps jaxpar evaluates one batch and writes no text sample (train.sample_tokens=0),
+which keeps each run short; neither is timed. The CPU is shared and noisy: only the side-by-side ratios mean anything.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def jaxpar_command(python: str, layout: Layout, steps: int, run_dir: Path) -> li
         "model.n_layers": LAYERS, "model.d_ff": JAXPAR_D_FF, "model.seq_len": SEQ, "model.tie_embeddings": "false",
         "model.positions": "rope", "mesh.expert": 1, "mesh.tensor": 1, "mesh.stage": 1,
         "train.batch_size": BATCH, "train.precision": "bf16", "train.remat": "full",
-        "train.steps": steps, "train.log_every": 1, "train.eval_batches": 1,
+        "train.steps": steps, "train.log_every": 1, "train.eval_batches": 1, "train.sample_tokens": 0,
         "checkpoint.every": 0, "run.dir": str(run_dir), **layout.jaxpar,
     }
     return [python, "-m", "jaxpar", "train", *(f"{k}={v}" for k, v in settings.items()), "--no-progress"]

@@ -87,6 +87,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     eval_batches: int = 8
+    sample_tokens: int = 160  # greedy sample at the end of a run; 0 writes none
     optimizer: Literal["adamw", "adafactor"] = "adamw"
     remat: Literal["none", "full", "dots", "sqrt"] = "none"
     loss_scale_window: int = 2000
@@ -101,6 +102,7 @@ class PipelineConfig:
     schedule: Literal["gpipe", "1f1b", "interleaved", "2bw"] = "1f1b"
     microbatches: int = 4
     virtual: int = 1
+    recompute: bool = False  # 1F1B-type schedules: redo each forward in backward, keep only its input
 
 
 @dataclasses.dataclass(frozen=True)

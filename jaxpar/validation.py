@@ -167,6 +167,8 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> dict[str, int]:
     for key in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key} must be positive, got {getattr(t, key)}.")
+    if t.sample_tokens < 0:
+        raise ConfigError(f"train.sample_tokens must be 0 (no sample) or more, got {t.sample_tokens}.")
     if t.lr <= 0 or t.warmup < 0 or t.clip_norm <= 0 or t.weight_decay < 0:
         raise ConfigError("train.lr and train.clip_norm must be positive, train.warmup and train.weight_decay non-negative.")
     batch_ways = sizes["data"] * sizes["expert"] * t.grad_accum

@@ -24,7 +24,6 @@ from jaxpar.train.trainer import Trainer
 from jaxpar.validation import host_split
 
 SAMPLE_PROMPT = "The "
-SAMPLE_TOKENS = 160
 
 
 class NonFiniteLoss(Exception):
@@ -228,13 +227,15 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
     # An interleaved pipeline stores its stacked layers permuted; the sampler runs the plain model.
     params = trainer.to_model_order(state.params)
     moe = cfg.model.moe
-    if moe.experts and moe.router == "expert_choice":
+    if cfg.train.sample_tokens == 0:
+        sample = None
+    elif moe.experts and moe.router == "expert_choice":
         sample = None  # each expert picks tokens from the whole group, so generation cannot be causal
         _say("jaxpar: no text sample: expert_choice routing looks at the whole routing group, so the model is "
              "not causal and cannot generate one token at a time.")
     else:
         # Every process takes part (the weights span them all); the prompt is replicated on the mesh.
-        sample = greedy_sample(trainer.graphdef, params, SAMPLE_PROMPT, SAMPLE_TOKENS, cfg.model.seq_len,
+        sample = greedy_sample(trainer.graphdef, params, SAMPLE_PROMPT, cfg.train.sample_tokens, cfg.model.seq_len,
                                trainer.replicated)
     every_step = history + records
     # The first step of a process includes compilation, so the median leaves it out.
