@@ -6,6 +6,7 @@ Batches are int token arrays (B, L+1): inputs are [:, :-1], targets [:, 1:].
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -14,7 +15,7 @@ import optax
 from flax import nnx
 
 from jaxpar.config import TrainConfig
-from jaxpar.model import layout_hooks, model_weights
+from jaxpar.model import constrain, layout_hooks, model_weights
 from jaxpar.parallel.pipeline import StageFns, gpipe_value_and_grad, one_f_one_b_value_and_grad
 from jaxpar.parallel.schedules import Table
 from jaxpar.train.precision import LossScale, all_finite, cast_for_compute
@@ -70,6 +71,7 @@ def objective(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array, t
 def stage_fns(graphdef: nnx.GraphDef, precision: str, remat: str, scale: jax.Array) -> StageFns:
     """The model cut into embedding, a chunk of layers and head+loss, for the pipeline executors."""
     return StageFns(
+        cast=lambda p: cast_for_compute(p, precision),
         embed=lambda p, tokens_bT: _model(graphdef, p, precision).embed(tokens_bT[:, :-1]),
         layers=lambda p, x_bLD: _model(graphdef, p, precision).run_blocks(x_bLD, remat)[0],
         head_loss=lambda p, x_bLD, tokens_bT: _cross_entropy(_model(graphdef, p, precision).logits(x_bLD),
@@ -77,9 +79,13 @@ def stage_fns(graphdef: nnx.GraphDef, precision: str, remat: str, scale: jax.Arr
     )
 
 
-def pipelined_grads(graphdef, t: TrainConfig, table: Table, layout):
-    """grad_fn for Layout.gradients: the local batch cut into microbatches, run through the table."""
-    executor = gpipe_value_and_grad if table.schedule == "gpipe" else one_f_one_b_value_and_grad
+def pipelined_grads(graphdef, t: TrainConfig, table: Table, layout, recompute: bool = False):
+    """grad_fn for Layout.gradients: the local batch cut into microbatches, run through the table.
+    recompute: 1F1B-type schedules redo each forward in backward instead of keeping its residuals."""
+    if table.schedule == "gpipe":
+        executor = gpipe_value_and_grad
+    else:
+        executor = functools.partial(one_f_one_b_value_and_grad, recompute=recompute)
 
     def grad_fn(params, tokens_BT, scale, noise_key):
         B, T = tokens_BT.shape
@@ -92,17 +98,20 @@ def pipelined_grads(graphdef, t: TrainConfig, table: Table, layout):
     return grad_fn
 
 
-def accumulated_grads(loss_fn: Callable, params, tokens_BT: jax.Array, microbatches: int):
+def accumulated_grads(loss_fn: Callable, params, tokens_BT: jax.Array, microbatches: int, shards: int = 1):
     """(stats, gradients) of loss_fn(params, tokens) -> (objective, stats), for the batch mean,
-    summed over `microbatches` slices in fp32. Microbatch i takes the i-th block of consecutive
-    rows, so MoE routing groups (consecutive tokens) hold the same tokens as without accumulation.
+    summed over `microbatches` slices in fp32. The batch holds `shards` equal data-parallel
+    shards; microbatch i takes the i-th block of consecutive rows of every shard, so each
+    microbatch stays spread over all devices, and MoE routing groups (consecutive tokens) hold
+    the same tokens as without accumulation.
     """
     grad_fn = jax.grad(loss_fn, has_aux=True)
     if microbatches == 1:
         grads, stats = grad_fn(params, tokens_BT)
         return stats, grads
     B, T = tokens_BT.shape
-    micro_KBT = tokens_BT.reshape(microbatches, B // microbatches, T)
+    micro_KBT = tokens_BT.reshape(shards, microbatches, B // (shards * microbatches), T).swapaxes(0, 1)
+    micro_KBT = constrain(micro_KBT.reshape(microbatches, B // microbatches, T), (None, "batch", "seq"))
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     zero_stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(loss_fn, params, micro_KBT[0])[1])
 
@@ -117,9 +126,11 @@ def accumulated_grads(loss_fn: Callable, params, tokens_BT: jax.Array, microbatc
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule, t: TrainConfig,
-                    layout, param_specs, pipeline: Table | None = None, stale_weights: bool = False, moe=None):
+                    layout, param_specs, pipeline: Table | None = None, stale_weights: bool = False, moe=None,
+                    recompute: bool = False):
     """Build the pure step for one layout (a jaxpar.parallel.Layout), pipelined when a table is given.
 
+    recompute: 1F1B-type pipelines redo each forward in backward instead of keeping its residuals.
     stale_weights (PipeDream-2BW): gradients are taken on the weights one step old
     (state.stale_params) and applied to the current ones. moe: the model's MoEConfig (loss weights).
     """
@@ -129,9 +140,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             value, stats = objective(graphdef, p, tokens, t, moe, noise_key)
             return value * scale, stats
 
-        return accumulated_grads(scaled_objective, params, tokens_BT, t.grad_accum)
+        return accumulated_grads(scaled_objective, params, tokens_BT, t.grad_accum, layout.traced_batch_shards)
 
-    local_grads = accumulated if pipeline is None else pipelined_grads(graphdef, t, pipeline, layout)
+    local_grads = accumulated if pipeline is None else pipelined_grads(graphdef, t, pipeline, layout, recompute)
 
     def train_step(state: TrainState, tokens_BT: jax.Array):
         scale = state.loss_scale.scale
@@ -152,8 +163,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                           else loss_scale.count_skip(finite))
         metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
                    "loss_scale": state.loss_scale.scale, "skipped_steps": loss_scale.skipped_steps}
-        if "moe_expert_tokens" in stats:  # per data shard -> whole batch, and its spread across experts
-            counts = stats["moe_expert_tokens"] * layout.batch_ways
+        if "moe_expert_tokens" in stats:  # per traced batch -> whole batch, and its spread across experts
+            counts = stats["moe_expert_tokens"] * (layout.batch_ways // layout.traced_batch_shards)
             metrics["moe_expert_tokens"] = counts
             metrics["moe_load_cv"] = jnp.std(counts) / jnp.maximum(jnp.mean(counts), 1e-9)
         if pipeline is not None:
