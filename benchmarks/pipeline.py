@@ -4,7 +4,8 @@ Usage:
     python benchmarks/pipeline.py [key=value ...] [--steps N] [--warmup W]
 
 Model: jaxpar's defaults with `model.n_layers=8 train.batch_size=64`, then the key=value overrides.
-For each schedule in {gpipe, 1f1b, interleaved (parallel.pipeline.virtual=2), 2bw} and each number of
+For each schedule in {gpipe, 1f1b, 1f1b with parallel.pipeline.recompute=true, interleaved
+(parallel.pipeline.virtual=2), 2bw} and each number of
 microbatches M in {4, 8, 16, 32}, jaxpar's Trainer is built on mesh.data=2 x mesh.stage=4 (8 devices,
 emulated on a CPU-only host) and reported:
   * idle fraction: theoretical (S-1)/(v*M+S-1) (v=2 interleaved, else 1) and that of the schedule table
@@ -14,13 +15,11 @@ emulated on a CPU-only host) and reported:
     1/2 of the batch through 1/4 of the model):
       - static = flops_pipelined / flops_data8, both `measure_step(trainer)["flops"]`: compiled matmul
         FLOPs with loop trip counts. Every branch of a conditional counts on every execution, so for a
-        pipelined step this is an upper bound: bubble ticks, GPipe's active/inactive `cond` and the
-        explicit schedules' idle/forward/backward `lax.switch` branches all count on every tick;
-      - executed (formula), the work the table really runs, with B = 2F (backward = 2 x forward):
-          GPipe: M forwards + M backwards of 1/S of the model per device, data=8's share:
-                 (F + B) / (F + B) = 1;
-          1F1B, interleaved, 2BW: each backward tick recomputes its forward (`jax.vjp` from the stashed
-                 input), so a microbatch costs F + (F + B) instead of F + B: (2F + B) / (F + B) = 4/3;
+        pipelined step this is an upper bound: every branch of the tick `lax.switch` counts on every tick;
+      - executed = `measure_step(trainer)["executed_flops"]` / flops_data8: each branch of the tick switch
+        costed from its compiled computation and counted as often as the table takes it, averaged over
+        devices. Expected: 1 for GPipe and for the schedules that keep each forward's residuals; 4/3 with
+        recompute=true, where every backward redoes its forward (F + (F + B) against F + B, B = 2F);
   * temporaries per device (MiB, XLA's memory_analysis via `measure_step`);
   * tokens/s = batch_size * seq_len / median step time of N timed steps after W warm-up steps
     (compilation included in the warm-up; every step waited for with block_until_ready).
@@ -42,9 +41,10 @@ from jaxpar.validation import validate
 from jaxpar.runtime import make_mesh, setup_devices
 
 STAGES, DATA, MICROBATCHES = 4, 2, (4, 8, 16, 32)
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "2bw": 1}  # schedule -> virtual stages per device
+# label -> (schedule, virtual stages per device, recompute)
+SCHEDULES = {"gpipe": ("gpipe", 1, False), "1f1b": ("1f1b", 1, False), "1f1b recompute": ("1f1b", 1, True),
+             "interleaved": ("interleaved", 2, False), "2bw": ("2bw", 1, False)}
 MODEL = ["model.n_layers=8", "train.batch_size=64"]
-F, B = 1.0, 2.0  # forward and backward cost of one unit of work, for the executed-FLOPs formula
 OUT_PNG = Path(__file__).resolve().parent / "results" / "pipeline.png"
 MIB = 2 ** 20
 
@@ -68,11 +68,6 @@ from jaxpar.plan import measure_step  # noqa: E402
 from jaxpar.train.trainer import Trainer  # noqa: E402
 
 
-def executed_ratio(schedule: str) -> float:
-    """Executed FLOPs per device over data=8's: (F+B)/(F+B) for GPipe, (2F+B)/(F+B) with recompute."""
-    return (F + B) / (F + B) if schedule == "gpipe" else (F + (F + B)) / (F + B)
-
-
 def host_batches(cfg, count: int) -> list[np.ndarray]:
     """`count` (batch_size, seq_len+1) token batches, the same for every layout."""
     m, t = cfg.model, cfg.train
@@ -90,17 +85,17 @@ def run_layout(label: str, overrides: list[str], batches: list[np.ndarray]) -> d
     seconds, _, _ = time_steps(trainer.step, trainer.init(), trainer.put_batch, batches, ARGS.warmup)
     tokens = cfg.train.batch_size * cfg.model.seq_len
     print(f"{label}: {seconds * 1e3:.1f} ms/step, done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return {"flops": plan["flops"], "temp_bytes": plan["temp_bytes"], "median_step_ms": seconds * 1e3,
+    return {"flops": plan["flops"], "executed_flops": plan["executed_flops"], "temp_bytes": plan["temp_bytes"], "median_step_ms": seconds * 1e3,
             "tokens_per_s": tokens / seconds, "table": trainer.pipeline}
 
 
 def markdown(ref: dict, rows: list[dict]) -> str:
     """The markdown table: one row per (schedule, M), then the data=8 reference."""
     header = ["schedule", "M", "ticks", "idle theory", "idle table", "static FLOPs / data=8",
-              "executed FLOPs / data=8 (formula)", "temp MiB", "step ms", "tokens/s"]
+              "executed FLOPs / data=8", "temp MiB", "step ms", "tokens/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        cells = [r["schedule"] + (f" (v={r['virtual']})" if r["virtual"] > 1 else ""), str(r["M"]), str(r["ticks"]),
+        cells = [r["label"] + (f" (v={r['virtual']})" if r["virtual"] > 1 else ""), str(r["M"]), str(r["ticks"]),
                  f"{r['idle_theory']:.3f}", f"{r['idle_table']:.3f}", f"{r['static_flops_ratio']:.3f}",
                  f"{r['executed_flops_ratio']:.3f}", f"{r['temp_mib']:.2f}", f"{r['median_step_ms']:.1f}",
                  f"{r['tokens_per_s']:,.0f}"]
@@ -118,17 +113,18 @@ def plot(ref: dict, rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for (schedule, virtual), marker in zip(SCHEDULES.items(), "osD^"):
-        mine = [r for r in rows if r["schedule"] == schedule]
-        label = schedule + (f" (v={virtual})" if virtual > 1 else "")
+    for (name, (_, virtual, _)), marker in zip(SCHEDULES.items(), "osxD^"):
+        mine = [r for r in rows if r["label"] == name]
+        label = name + (f" (v={virtual})" if virtual > 1 else "")
         left.plot([r["M"] for r in mine], [r["idle_table"] for r in mine], marker=marker, label=f"{label}, table")
         right.plot([r["M"] for r in mine], [r["temp_mib"] for r in mine], marker=marker, label=label)
-    for virtual, color in zip(sorted(set(SCHEDULES.values())), ("black", "gray")):
+    for virtual, color in zip(sorted({v for _, v, _ in SCHEDULES.values()}), ("black", "gray")):
         left.plot(MICROBATCHES, [theoretical_idle_fraction(STAGES, m, virtual) for m in MICROBATCHES], "--",
                   color=color, label=f"theory (S-1)/({virtual if virtual > 1 else ''}M+S-1)")
     right.axhline(ref["temp_mib"], color="gray", ls=":", label="no pipeline (data=8)")
     right.set_yscale("log")
-    same = len({tuple(r["idle_table"] for r in rows if r["schedule"] == s) for s, v in SCHEDULES.items() if v == 1})
+    same = len({tuple(r["idle_table"] for r in rows if r["label"] == name)
+                for name, (_, v, _) in SCHEDULES.items() if v == 1})
     note = " (the v=1 tables coincide)" if same == 1 else ""
     for ax, ylabel, title in ((left, "idle fraction", f"Pipeline bubble, S={STAGES}{note}"),
                               (right, "temporary MiB per device", f"Temporaries, data={DATA} x stage={STAGES}")):
@@ -154,18 +150,19 @@ def main() -> int:
     ref.pop("table")
     ref["temp_mib"] = ref["temp_bytes"] / MIB
     rows = []
-    for schedule, virtual in SCHEDULES.items():
+    for name, (schedule, virtual, recompute) in SCHEDULES.items():
         for m in MICROBATCHES:
-            got = run_layout(f"{schedule} M={m}", [f"mesh.data={DATA}", f"mesh.stage={STAGES}",
-                                                   f"parallel.pipeline.schedule={schedule}",
-                                                   f"parallel.pipeline.microbatches={m}",
-                                                   f"parallel.pipeline.virtual={virtual}"], batches)
+            got = run_layout(f"{name} M={m}", [f"mesh.data={DATA}", f"mesh.stage={STAGES}",
+                                               f"parallel.pipeline.schedule={schedule}",
+                                               f"parallel.pipeline.microbatches={m}",
+                                               f"parallel.pipeline.virtual={virtual}",
+                                               f"parallel.pipeline.recompute={str(recompute).lower()}"], batches)
             table = got.pop("table")
-            rows.append({"schedule": schedule, "virtual": virtual, "M": m, "ticks": len(table.ticks),
-                         "idle_theory": theoretical_idle_fraction(STAGES, m, virtual),
+            rows.append({"label": name, "schedule": schedule, "virtual": virtual, "recompute": recompute, "M": m,
+                         "ticks": len(table.ticks), "idle_theory": theoretical_idle_fraction(STAGES, m, virtual),
                          "idle_table": table.idle_fraction, "static_flops_ratio": got["flops"] / ref["flops"],
-                         "executed_flops_ratio": executed_ratio(schedule), "temp_mib": got["temp_bytes"] / MIB,
-                         **got})
+                         "executed_flops_ratio": got["executed_flops"] / ref["flops"],
+                         "temp_mib": got["temp_bytes"] / MIB, **got})
     print(f"Pipeline, S={STAGES} on data={DATA} x stage={STAGES} ({' '.join(BASE[1:])}); "
           f"FLOPs relative to data=8 (flops_data8 = {ref['flops']:.4g} per device)\n")
     print(markdown(ref, rows) + "\n")

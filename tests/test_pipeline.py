@@ -69,6 +69,9 @@ LAYOUTS = [
      "parallel.pipeline.virtual=2", "parallel.zero=3"],
     ["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=gpipe", "train.remat=full"],
     ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=2bw", "train.steps=4"],
+    ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=8", "parallel.pipeline.recompute=true"],
+    ["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.virtual=2",
+     "model.n_layers=8", "parallel.pipeline.recompute=true", "train.precision=bf16"],
 ]
 
 
@@ -117,3 +120,34 @@ def test_1f1b_bounds_activation_memory_by_stages_not_microbatches():
         temps[schedule] = plan["temp_bytes"]
         assert plan["collectives"]["collective-permute"] > 0
     assert temps["1f1b"] <= 0.5 * temps["gpipe"]
+
+
+def test_1f1b_executes_the_matmuls_of_data_parallelism_and_recompute_adds_a_forward():
+    """S=4, M=8, remat none, 8 layers, batch 32: 1F1B keeps each forward's residuals, so the
+    matmul FLOPs its devices execute (each tick branch costed from its compiled computation and
+    counted as often as the table takes it) are those of data=8 on the same model and batch.
+    With recompute=true every backward redoes its forward: F + (F + 2F) = 4/3 of 3F."""
+    import os
+
+    from jaxpar.config import load_config
+    from jaxpar.plan import measure_step
+    from jaxpar.session import prepare
+    from jaxpar.train.trainer import Trainer
+
+    base = ["model.n_layers=8", "model.seq_len=256", "train.batch_size=32", "train.remat=none", f"run.dir={os.devnull}"]
+    pipeline = ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=8"]
+
+    def plan(*overrides):
+        session = prepare(load_config(None, base + list(overrides)))
+        return measure_step(Trainer(session.cfg, session.mesh()))
+
+    flat = plan("mesh.data=8")
+    assert flat["executed_flops"] == flat["flops"] and flat["executed_flops_per_stage"] == [flat["flops"]]
+    kept = plan(*pipeline)
+    assert kept["executed_flops"] <= 1.05 * flat["executed_flops"], (kept["executed_flops"], flat["flops"])
+    assert kept["executed_flops"] < kept["flops"]  # the upper bound counts every branch every tick
+    # the head runs on the last stage only
+    per_stage = kept["executed_flops_per_stage"]
+    assert per_stage[0] == per_stage[1] == per_stage[2] < per_stage[3]
+    redone = plan(*pipeline, "parallel.pipeline.recompute=true")
+    assert redone["executed_flops"] / kept["executed_flops"] == pytest.approx(4 / 3, rel=0.02)

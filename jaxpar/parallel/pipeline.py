@@ -5,12 +5,19 @@ layers dimension). Neighbouring stages exchange activations (forward) and their 
 (backward) with `ppermute`; the embedding runs on the first stage and the head and loss on
 the last, so a backward can start on the last stage as soon as its forward is done.
 
+Every tick is one `lax.switch` over the branch the schedule table gives each device
+(`BRANCHES`): idle, or a forward or backward of the first, a middle or the last chunk. So the
+embedding and the head run only where the table puts them, and the compiled branches can be
+costed one by one (`jaxpar plan`'s executed FLOPs).
+
 - GPipe: a scan over the table's forward ticks, differentiated by autodiff, which gives the
   all-forwards-then-all-backwards order and keeps activations for all M microbatches.
-- 1F1B, interleaved 1F1B and 2BW: a scan over every tick of the table. A forward tick runs
-  the chunk and keeps only its input; a backward tick recomputes the chunk from that input
-  with `jax.vjp` and applies the received cotangent, so at most the table's in-flight bound
-  of inputs is stored per device, not M.
+- 1F1B, interleaved 1F1B and 2BW: a scan over every tick of the table, with an explicit
+  backward. By default a forward tick keeps the residuals of its `jax.vjp` (what backward
+  needs; the weights themselves are not copied) in a buffer slot per in-flight microbatch, so
+  memory stays bounded by the schedule, and a backward tick applies the received cotangent
+  to them: no forward runs twice. With `recompute`, a forward tick keeps only the chunk's
+  input and the backward tick recomputes the chunk from it (4/3 of the FLOPs, least memory).
 """
 
 from __future__ import annotations
@@ -24,7 +31,13 @@ import numpy as np
 
 from jaxpar.parallel.schedules import Table
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+# The switch branches of a tick. GPipe's forward scan uses the first four; its transpose (by
+# autodiff) takes the same index.
+BRANCHES = ("idle", "forward first", "forward middle", "forward last",
+            "backward first", "backward middle", "backward last")
+IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(len(BRANCHES))
+# Name scope of the tick switch, found again in the compiled program's metadata.
+TICK_SCOPE = "pipeline_tick"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,27 +45,49 @@ class StageFns:
     """The model cut for pipelining. Parameters are the whole tree; stacked leaves hold only the
     layers of the chunk being run.
 
+    cast(params) -> params                       the weights in the compute dtype
     embed(params, tokens_bT) -> x_bLD            first chunk's input
     layers(params, x_bLD) -> x_bLD               the chunk's layers
     head_loss(params, x_bLD, tokens_bT) -> loss  last chunk: mean loss of the microbatch
     """
 
+    cast: Callable
     embed: Callable
     layers: Callable
     head_loss: Callable
 
 
+def branch_of(action, last_chunk: int) -> int:
+    """The switch branch that runs `action` (None: idle)."""
+    if action is None:
+        return IDLE
+    place = 0 if action.chunk == 0 else 2 if action.chunk == last_chunk else 1
+    return (F_FIRST if action.kind == "F" else B_FIRST) + place
+
+
+def branch_counts(table: Table, ticks: int | None = None) -> np.ndarray:
+    """(stages, len(BRANCHES)): how many ticks each device takes each branch, over the first
+    `ticks` ticks (all of them by default)."""
+    last = table.stages * table.virtual - 1
+    counts = np.zeros((table.stages, len(BRANCHES)), np.int64)
+    for row in table.ticks[:ticks]:
+        for s, action in enumerate(row):
+            counts[s, branch_of(action, last)] += 1
+    return counts
+
+
 def _action_arrays(table: Table, ticks: int | None = None):
-    kind = np.zeros((len(table.ticks), table.stages), np.int32)
-    micro = np.zeros_like(kind)
-    chunk = np.zeros_like(kind)
+    last = table.stages * table.virtual - 1
+    branch = np.zeros((len(table.ticks), table.stages), np.int32)
+    micro = np.zeros_like(branch)
+    chunk = np.zeros_like(branch)
     for t, row in enumerate(table.ticks):
         for s, action in enumerate(row):
+            branch[t, s] = branch_of(action, last)
             if action is not None:
-                kind[t, s] = FORWARD if action.kind == "F" else BACKWARD
                 micro[t, s], chunk[t, s] = action.microbatch, action.chunk
     n = ticks or len(table.ticks)
-    return jnp.asarray(kind[:n]), jnp.asarray(micro[:n]), jnp.asarray(chunk[:n])
+    return jnp.asarray(branch[:n]), jnp.asarray(micro[:n]), jnp.asarray(chunk[:n])
 
 
 def _chunk_params(params, is_stacked, local_chunk, layers_per_chunk: int):
@@ -62,42 +97,35 @@ def _chunk_params(params, is_stacked, local_chunk, layers_per_chunk: int):
         if stacked else p, params, is_stacked)
 
 
-def _chunk_fn(fns: StageFns, table: Table):
-    """run(chunk_params, x_in, tokens, chunk) -> (y, loss): embedding on chunk 0, head on the last."""
-    last = table.stages * table.virtual - 1
-
-    def run(chunk_params, x_in, tokens_bT, chunk):
-        x = jax.lax.cond(chunk == 0, lambda: fns.embed(chunk_params, tokens_bT), lambda: x_in)
-        y = fns.layers(chunk_params, x)
-        loss = jax.lax.cond(chunk == last, lambda: fns.head_loss(chunk_params, y, tokens_bT).astype(jnp.float32),
-                            lambda: jnp.zeros((), jnp.float32))
-        return y, loss
-
-    return run
-
-
 def gpipe_value_and_grad(fns: StageFns, params, is_stacked, tokens_MbT, table: Table, axis: str = "stage"):
     """GPipe: forward ticks from the table, backward by autodiff. Returns this device's
     (loss, grads); the loss is nonzero only on the last stage."""
     S, M = table.stages, table.microbatches
     forward_ticks = M + S - 1
-    kind, micro, _ = _action_arrays(table, forward_ticks)
+    branch, micro, _ = _action_arrays(table, forward_ticks)
     s = jax.lax.axis_index(axis)
-    run = _chunk_fn(fns, table)
     x_shape = jax.eval_shape(fns.embed, params, tokens_MbT[0])
 
     def local_loss(params):
+        params = fns.cast(params)
+        zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
+        no_loss = jnp.zeros((), jnp.float32)
+
         def tick(carry, t):
             x_recv, loss_sum = carry
-            active = kind[t, s] == FORWARD
-            m = micro[t, s]
-            y, loss = jax.lax.cond(active, lambda: run(params, x_recv, tokens_MbT[m], s),
-                                   lambda: (jnp.zeros(x_shape.shape, x_shape.dtype), jnp.zeros((), jnp.float32)))
+            tokens = tokens_MbT[micro[t, s]]
+            branches = [
+                lambda: (zeros_x, no_loss),
+                lambda: (fns.layers(params, fns.embed(params, tokens)), no_loss),
+                lambda: (fns.layers(params, x_recv), no_loss),
+                lambda: (zeros_x, fns.head_loss(params, fns.layers(params, x_recv), tokens).astype(jnp.float32)),
+            ]
+            with jax.named_scope(TICK_SCOPE):
+                y, loss = jax.lax.switch(branch[t, s], branches)
             x_next = jax.lax.ppermute(y, axis, [(i, i + 1) for i in range(S - 1)])
             return (x_next, loss_sum + loss), None
 
-        init = (jnp.zeros(x_shape.shape, x_shape.dtype), jnp.zeros((), jnp.float32))
-        (_, loss_sum), _ = jax.lax.scan(tick, init, jnp.arange(forward_ticks))
+        (_, loss_sum), _ = jax.lax.scan(tick, (zeros_x, no_loss), jnp.arange(forward_ticks))
         return loss_sum / M
 
     return jax.value_and_grad(local_loss)(params)
@@ -142,67 +170,154 @@ def _no_overlap(spans, K: int) -> bool:
     return True
 
 
-def one_f_one_b_value_and_grad(fns: StageFns, params, is_stacked, tokens_MbT, table: Table, axis: str = "stage"):
+class _Residuals:
+    """What a `jax.vjp` keeps for backward, as a list of arrays that can be stored, minus the
+    weights themselves (backward takes them from the step's parameters instead).
+
+    `split` runs the forward and returns its output and the storable residuals; `pullback`
+    rebuilds the vjp from stored residuals. The vjp's structure comes from tracing the same
+    forward again inside the backward branch; that forward's results are unused there, and
+    the compiler drops it as dead code.
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def _trace(self, params, *args):
+        out, vjp = jax.vjp(self.fn, params, *args)
+        leaves, tree = jax.tree_util.tree_flatten(vjp)
+        weights = {id(w): i for i, w in enumerate(jax.tree.leaves(params))}
+        is_weight = [weights.get(id(leaf)) for leaf in leaves]
+        return out, leaves, tree, is_weight
+
+    def split(self, params, *args):
+        out, leaves, _, is_weight = self._trace(params, *args)
+        return out, [leaf for leaf, w in zip(leaves, is_weight) if w is None]
+
+    def shapes(self, params, *args) -> list:
+        """Shapes and dtypes of the storable residuals."""
+        return jax.eval_shape(lambda *a: self.split(*a)[1], params, *args)
+
+    def pullback(self, stored: list, params, *args):
+        _, _, tree, is_weight = self._trace(params, *args)
+        weights, stored = jax.tree.leaves(params), iter(stored)
+        return tree.unflatten([next(stored) if w is None else weights[w] for w in is_weight])
+
+
+def one_f_one_b_value_and_grad(fns: StageFns, params, is_stacked, tokens_MbT, table: Table, axis: str = "stage",
+                               recompute: bool = False):
     """1F1B / interleaved / 2BW: every tick of the table, explicit per-tick backward.
     Returns this device's (loss, grads); the loss is nonzero only on the last stage."""
     S, M, v = table.stages, table.microbatches, table.virtual
-    last_chunk = S * v - 1
-    kind, micro, chunk = _action_arrays(table)
+    branch, micro, chunk = _action_arrays(table)
     K = stash_size(table)
     s = jax.lax.axis_index(axis)
     local_layers = jax.tree.leaves(jax.tree.map(lambda p, st: p.shape[0] if st else None, params, is_stacked))[0]
     layers_per_chunk = local_layers // v
-    run = _chunk_fn(fns, table)
-    x_aval = jax.eval_shape(fns.embed, params, tokens_MbT[0])
+    compute = fns.cast(params)  # once per step; residuals refer to these weights, never copy them
+    x_aval = jax.eval_shape(fns.embed, compute, tokens_MbT[0])
     zeros_x = jnp.zeros(x_aval.shape, x_aval.dtype)
+    no_loss = jnp.zeros((), jnp.float32)
     ring = S > 1 and v > 1  # interleaved chunks wrap from the last device back to the first
     forward_perm = [(i, (i + 1) % S) for i in range(S if ring else S - 1)]
     backward_perm = [((i + 1) % S, i) for i in range(S if ring else S - 1)]
 
+    embed = _Residuals(fns.embed)
+    layers = _Residuals(fns.layers)
+    head = _Residuals(lambda p, y, tokens: fns.head_loss(p, y, tokens).astype(jnp.float32))
+    chunk0 = _chunk_params(compute, is_stacked, 0, layers_per_chunk)
+    kept = {} if recompute else {
+        "embed": embed.shapes(compute, tokens_MbT[0]),
+        "layers": layers.shapes(chunk0, zeros_x),
+        "head": head.shapes(compute, zeros_x, tokens_MbT[0]),
+    }
+    # K slots per local chunk, plus one slot that ticks with nothing to keep write into.
+    stash_res = {name: [jnp.zeros((K + 1, v) + r.shape, r.dtype) for r in shapes] for name, shapes in kept.items()}
+    no_res = {name: [jnp.zeros(r.shape, r.dtype) for r in shapes] for name, shapes in kept.items()}
+
     def add_chunk_grads(grads, chunk_grads, local_chunk):
         return jax.tree.map(
             lambda g, cg, stacked: jax.lax.dynamic_update_slice_in_dim(
-                g, jax.lax.dynamic_slice_in_dim(g, local_chunk * layers_per_chunk, layers_per_chunk) + cg,
-                local_chunk * layers_per_chunk, 0) if stacked else g + cg, grads, chunk_grads, is_stacked)
+                g, jax.lax.dynamic_slice_in_dim(g, local_chunk * layers_per_chunk, layers_per_chunk)
+                + cg.astype(g.dtype), local_chunk * layers_per_chunk, 0) if stacked else g + cg.astype(g.dtype),
+            grads, chunk_grads, is_stacked)
 
     def tick(carry, t):
-        stash_x, stash_g, grads, loss_sum = carry
-        m, c = micro[t, s], chunk[t, s]
+        stash_x, stash_g, stash_res, grads, loss_sum = carry
+        b, m, c = branch[t, s], micro[t, s], chunk[t, s]
         local_chunk = c // S
         slot = (m % K, local_chunk)
         tokens = tokens_MbT[m]
-        chunk_params = _chunk_params(params, is_stacked, local_chunk, layers_per_chunk)
+        p = _chunk_params(compute, is_stacked, local_chunk, layers_per_chunk)
+
+        def forward(first: bool, last: bool):
+            def run():
+                res, x, loss = dict(no_res), stash_x[slot], no_loss
+                if recompute:  # keep nothing but the input (already in stash_x)
+                    y = fns.layers(p, fns.embed(p, tokens) if first else x)
+                    if last:
+                        loss = fns.head_loss(p, y, tokens).astype(jnp.float32)
+                else:
+                    if first:
+                        x, res["embed"] = embed.split(p, tokens)
+                    y, res["layers"] = layers.split(p, x)
+                    if last:
+                        loss, res["head"] = head.split(p, y, tokens)
+                return grads, loss_sum + loss, zeros_x if last else y, zeros_x, res
+            return run
+
+        def backward(first: bool, last: bool):
+            def run():
+                x_in = stash_x[slot]
+                chunk_grads = jax.tree.map(jnp.zeros_like, p)
+                if recompute:
+                    def whole(p, x):
+                        if first:
+                            x = fns.embed(p, tokens)
+                        y = fns.layers(p, x)
+                        return fns.head_loss(p, y, tokens).astype(jnp.float32) if last else y
+                    _, vjp = jax.vjp(whole, p, x_in)
+                    chunk_grads, dx = vjp(jnp.asarray(1.0 / M, jnp.float32) if last else stash_g[slot])
+                else:
+                    stored = {name: [buf[slot] for buf in bufs] for name, bufs in stash_res.items()}
+                    dy = stash_g[slot]
+                    if last:
+                        pull = head.pullback(stored["head"], p, zeros_x, tokens)
+                        chunk_grads, dy, _ = pull(jnp.asarray(1.0 / M, jnp.float32))
+                    layer_grads, dx = layers.pullback(stored["layers"], p, zeros_x)(dy)
+                    chunk_grads = jax.tree.map(jnp.add, chunk_grads, layer_grads)
+                    if first:
+                        embed_grads, _ = embed.pullback(stored["embed"], p, tokens)(dx)
+                        chunk_grads = jax.tree.map(jnp.add, chunk_grads, embed_grads)
+                return (add_chunk_grads(grads, chunk_grads, local_chunk), loss_sum, zeros_x,
+                        zeros_x if first else dx, no_res)
+            return run
 
         def idle():
-            return grads, loss_sum, zeros_x, zeros_x
+            return grads, loss_sum, zeros_x, zeros_x, no_res
 
-        def forward():
-            y, loss = run(chunk_params, stash_x[slot], tokens, c)
-            return grads, loss_sum + loss, y, zeros_x
-
-        def backward():
-            _, vjp = jax.vjp(lambda p, x: run(p, x, tokens, c), chunk_params, stash_x[slot])
-            is_last = c == last_chunk
-            dy = jnp.where(is_last, jnp.zeros_like(zeros_x), stash_g[slot])
-            dloss = jnp.where(is_last, 1.0 / M, 0.0).astype(jnp.float32)
-            chunk_grads, dx = vjp((dy, dloss))
-            return add_chunk_grads(grads, chunk_grads, local_chunk), loss_sum, zeros_x, dx
-
-        grads, loss_sum, out_f, out_b = jax.lax.switch(kind[t, s], [idle, forward, backward])
+        branches = [idle, forward(True, False), forward(False, False), forward(False, True),
+                    backward(True, False), backward(False, False), backward(False, True)]
+        with jax.named_scope(TICK_SCOPE):
+            grads, loss_sum, out_f, out_b, res = jax.lax.switch(b, branches)
+        # A forward's residuals go to its slot; every other tick writes the spare slot K.
+        keep_slot = (jnp.where((b >= F_FIRST) & (b <= F_LAST), m % K, K), local_chunk)
+        stash_res = {name: [buf.at[keep_slot].set(r) for buf, r in zip(bufs, res[name])]
+                     for name, bufs in stash_res.items()}
         recv_f = jax.lax.ppermute(out_f, axis, forward_perm)
         recv_b = jax.lax.ppermute(out_b, axis, backward_perm)
         # What arrived is known from the table: the neighbours' actions at this tick.
         prev, nxt = (s - 1) % S, (s + 1) % S
-        got_f = (kind[t, prev] == FORWARD) & (chunk[t, prev] < last_chunk) & ((s > 0) | ring)
+        got_f = ((branch[t, prev] == F_FIRST) | (branch[t, prev] == F_MID)) & ((s > 0) | ring)
         f_slot = (micro[t, prev] % K, (chunk[t, prev] + 1) // S)
         stash_x = stash_x.at[f_slot].set(jnp.where(got_f, recv_f, stash_x[f_slot]))
-        got_b = (kind[t, nxt] == BACKWARD) & (chunk[t, nxt] > 0) & ((s < S - 1) | ring)
+        got_b = ((branch[t, nxt] == B_MID) | (branch[t, nxt] == B_LAST)) & ((s < S - 1) | ring)
         b_slot = (micro[t, nxt] % K, (chunk[t, nxt] - 1) // S)
         stash_g = stash_g.at[b_slot].set(jnp.where(got_b, recv_b, stash_g[b_slot]))
-        return (stash_x, stash_g, grads, loss_sum), None
+        return (stash_x, stash_g, stash_res, grads, loss_sum), None
 
     stash = jnp.zeros((K, v) + x_aval.shape, x_aval.dtype)
     grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    init = (stash, stash, grads0, jnp.zeros((), jnp.float32))
-    (_, _, grads, loss_sum), _ = jax.lax.scan(tick, init, jnp.arange(len(table.ticks)))
+    init = (stash, stash, stash_res, grads0, no_loss)
+    (_, _, _, grads, loss_sum), _ = jax.lax.scan(tick, init, jnp.arange(len(table.ticks)))
     return loss_sum / M, grads

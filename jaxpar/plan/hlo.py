@@ -91,8 +91,11 @@ def parse(hlo_text: str) -> Module:
     return Module(computations, entry, calls)
 
 
-def matmul_flops(module: Module) -> float:
-    """2 x output elements x contracted size for every dot, times its executions per step."""
+def matmul_flops(module: Module, root: str | None = None) -> float:
+    """2 x output elements x contracted size for every dot, times its executions per step
+    (per run of computation `root` and what it calls, when given)."""
+    if root is not None:
+        module = Module(module.computations, root, module.calls)
     total = 0.0
     for name, instructions in module.computations.items():
         shapes = {inst.name: inst.shape for inst in instructions}
@@ -109,3 +112,39 @@ def matmul_flops(module: Module) -> float:
             out = math.prod(array_shapes(inst.shape)[0][1])
             total += 2.0 * out * contracted * module.executions(name)
     return total
+
+
+def conditionals(module: Module, scope: str) -> list[tuple[str, list[str]]]:
+    """(calling computation, branch computations in index order) of every conditional whose
+    op_name metadata contains `scope`."""
+    found = []
+    for name, instructions in module.computations.items():
+        for inst in instructions:
+            if inst.op != "conditional" or scope not in inst.rest:
+                continue
+            branches = re.search(r"branch_computations=\{([^}]*)\}", inst.rest)
+            if branches:
+                found.append((name, re.findall(r"%([^\s,}]+)", branches.group(1))))
+    return found
+
+
+def executed_matmul_flops(module: Module, scope: str, branch_runs: list[list[int]]) -> list[float]:
+    """Matmul FLOPs per step that each device actually runs, one figure per device.
+
+    `matmul_flops` counts every branch of a conditional each time the conditional runs. For
+    the conditionals named by `scope`, device d takes branch k branch_runs[d][k] times per
+    step instead: each branch is costed from its own compiled computation and counted that
+    often. Everything else runs on every device as counted.
+    """
+    total = matmul_flops(module)
+    per_device = [total] * len(branch_runs)
+    for caller, branches in conditionals(module, scope):
+        runs = module.executions(caller)
+        for d, taken in enumerate(branch_runs):
+            if sum(taken) != runs:
+                raise ValueError(f"the schedule takes {sum(taken)} branches of a conditional that runs {runs} times")
+        for k, branch in enumerate(branches):
+            flops = matmul_flops(module, root=branch)
+            for d, taken in enumerate(branch_runs):
+                per_device[d] += (taken[k] - runs) * flops
+    return per_device

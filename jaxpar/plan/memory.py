@@ -14,7 +14,8 @@ import math
 import jax
 
 from jaxpar.plan.collectives import bytes_by_op, collectives
-from jaxpar.plan.hlo import matmul_flops, parse
+from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts
+from jaxpar.plan.hlo import executed_matmul_flops, matmul_flops, parse
 
 
 def _device_bytes(abstract_tree, shardings) -> int:
@@ -36,6 +37,13 @@ def measure_step(trainer) -> dict:
     grad_shardings = trainer.layout.named(trainer.layout.grad_specs(state.params))
     module = parse(compiled.as_text())
     found = collectives(module, trainer.layout.sizes)
+    flops = matmul_flops(module)
+    per_stage = [flops]
+    if trainer.pipeline is not None:
+        table = trainer.pipeline
+        # GPipe's tick switch (and its transpose) runs over the forward ticks only
+        ticks = table.microbatches + table.stages - 1 if table.schedule == "gpipe" else None
+        per_stage = executed_matmul_flops(module, TICK_SCOPE, branch_counts(table, ticks).tolist())
     return {
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),
@@ -44,8 +52,13 @@ def measure_step(trainer) -> dict:
         "params_bytes": _device_bytes(state.params, shardings.params),
         "opt_state_bytes": _device_bytes(state.opt_state, shardings.opt_state),
         "grads_bytes": _device_bytes(state.params, grad_shardings),
-        # matmul FLOPs per step with loop trip counts; XLA's figure counts each loop body once
-        "flops": matmul_flops(module),
+        # matmul FLOPs per step with loop trip counts; XLA's figure counts each loop body once.
+        # Every branch of a conditional counts each time it runs (an upper bound for pipelines);
+        # executed_flops counts each pipeline branch as often as the schedule takes it, per stage
+        # and as the mean over devices.
+        "flops": flops,
+        "executed_flops": sum(per_stage) / len(per_stage),
+        "executed_flops_per_stage": per_stage,
         "xla_cost_flops": float(cost.get("flops", 0.0)),
         "collectives": bytes_by_op(found),
         "collective_ops": [
@@ -63,6 +76,10 @@ def format_report(plan: dict) -> str:
     lines = ["per device                        bytes          MiB"]
     lines += [f"{name:<30}{value:>12,d}{value / mib:>12.2f}" for name, value in rows]
     lines.append(f"{'matmul FLOPs per step':<30}{plan['flops']:>12.4g}")
+    if len(plan["executed_flops_per_stage"]) > 1:
+        lines.append(f"{'  executed (mean of devices)':<30}{plan['executed_flops']:>12.4g}")
+        for stage, flops in enumerate(plan["executed_flops_per_stage"]):
+            lines.append(f"{f'  executed by stage {stage}':<30}{flops:>12.4g}")
     lines.append("")
     lines.append("collective            mesh axes        count   bytes/step")
     for c in plan["collective_ops"]:

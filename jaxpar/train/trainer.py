@@ -56,7 +56,8 @@ class Trainer:
                               if self.pipeline else 1)
         self._storage = None if order == sorted(order) else np.asarray(order)
         train_step = make_train_step(self.graphdef, self.tx, self.schedule, cfg.train, self.layout, param_specs,
-                                     self.pipeline, stale_weights=self.two_bw, moe=cfg.model.moe)
+                                     self.pipeline, stale_weights=self.two_bw, moe=cfg.model.moe,
+                                     recompute=pipe.recompute)
         self.step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                             out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
         self.eval_loss = jax.jit(make_eval_step(self.graphdef, cfg.train.precision, self.layout, self.to_model_order),
