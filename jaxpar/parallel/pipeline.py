@@ -99,7 +99,13 @@ def _chunk_params(params, is_stacked, local_chunk, layers_per_chunk: int):
 
 def gpipe_value_and_grad(fns: StageFns, params, is_stacked, tokens_MbT, table: Table, axis: str = "stage"):
     """GPipe: forward ticks from the table, backward by autodiff. Returns this device's
-    (loss, grads); the loss is nonzero only on the last stage."""
+    (share of the loss, grads); the shares of all stages sum to the mean loss.
+
+    All forwards finish before any backward, so the head and loss need not wait on the last
+    stage: after the forward ticks the last chunk's outputs reach every stage (one psum of
+    activations) and each stage runs the head for microbatches s, s+S, ... The head (with a
+    large vocabulary, the costliest matmuls of the model) is spread over the stages instead
+    of doubling the last stage's work."""
     S, M = table.stages, table.microbatches
     forward_ticks = M + S - 1
     branch, micro, _ = _action_arrays(table, forward_ticks)
@@ -109,23 +115,36 @@ def gpipe_value_and_grad(fns: StageFns, params, is_stacked, tokens_MbT, table: T
     def local_loss(params):
         params = fns.cast(params)
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
-        no_loss = jnp.zeros((), jnp.float32)
 
         def tick(carry, t):
-            x_recv, loss_sum = carry
-            tokens = tokens_MbT[micro[t, s]]
+            x_recv, outputs = carry
+            m = micro[t, s]
+            tokens = tokens_MbT[m]
             branches = [
-                lambda: (zeros_x, no_loss),
-                lambda: (fns.layers(params, fns.embed(params, tokens)), no_loss),
-                lambda: (fns.layers(params, x_recv), no_loss),
-                lambda: (zeros_x, fns.head_loss(params, fns.layers(params, x_recv), tokens).astype(jnp.float32)),
+                lambda: zeros_x,
+                lambda: fns.layers(params, fns.embed(params, tokens)),
+                lambda: fns.layers(params, x_recv),
+                lambda: fns.layers(params, x_recv),
             ]
             with jax.named_scope(TICK_SCOPE):
-                y, loss = jax.lax.switch(branch[t, s], branches)
+                y = jax.lax.switch(branch[t, s], branches)
+            # the last chunk's outputs are kept; every other tick writes the spare slot M
+            outputs = outputs.at[jnp.where(branch[t, s] == F_LAST, m, M)].set(y)
             x_next = jax.lax.ppermute(y, axis, [(i, i + 1) for i in range(S - 1)])
-            return (x_next, loss_sum + loss), None
+            return (x_next, outputs), None
 
-        (_, loss_sum), _ = jax.lax.scan(tick, (zeros_x, no_loss), jnp.arange(forward_ticks))
+        outputs = jnp.zeros((M + 1,) + x_shape.shape, x_shape.dtype)
+        (_, outputs), _ = jax.lax.scan(tick, (zeros_x, outputs), jnp.arange(forward_ticks))
+        # (summed in fp32: in bf16, with the batch axes manual, XLA:CPU aborted on this psum with
+        # "Invalid binary instruction opcode copy")
+        last = jnp.where(s == S - 1, outputs[:M], jnp.zeros_like(outputs[:M])).astype(jnp.float32)
+        outputs = jax.lax.psum(last, axis).astype(x_shape.dtype)
+        loss_sum = jnp.zeros((), jnp.float32)
+        for j in range(-(-M // S)):
+            m = j * S + s
+            mine = jnp.minimum(m, M - 1)
+            loss = fns.head_loss(params, outputs[mine], tokens_MbT[mine]).astype(jnp.float32)
+            loss_sum += jnp.where(m < M, loss, 0.0)
         return loss_sum / M
 
     return jax.value_and_grad(local_loss)(params)
