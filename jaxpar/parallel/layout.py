@@ -67,6 +67,8 @@ class Layout:
         # How many batch shards the traced loss sees: one (its own) when the batch axes are
         # manual, all of them when the compiler partitions the global batch.
         self.traced_batch_shards = 1 if self.manual_data else self.batch_ways
+        # What per-shard means are averaged over: the manual batch shards (1 when partitioned).
+        self.manual_batch_ways = self.batch_ways // self.traced_batch_shards
         # ZeRO-2/3 expand each layer's weights from a shard; redo that in backward, never keep it.
         self.layer_weights_policy = _keep_all_but_expanded_weights if zero >= 2 else None
 
@@ -208,8 +210,7 @@ class Layout:
             with layout_hooks(self if self.manual_data else _PartitionerHooks(self)):
                 stats, grads = grad_fn(target, batch, *args)
             # (a pipeline's loss is nonzero on the last stage only, hence the sum over `stage` too)
-            ways = self.batch_ways // self.traced_batch_shards
-            stats = jax.tree.map(lambda x: jax.lax.psum(x, self.manual) / ways, stats)
+            stats = jax.tree.map(lambda x: jax.lax.psum(x, self.manual) / self.manual_batch_ways, stats)
             grads = jax.tree_util.tree_map_with_path(lambda p, g: self._reduce(g, _path_key(p)), grads,
                                                      is_leaf=_is_var)
             return stats, grads
@@ -239,7 +240,7 @@ class Layout:
             value = jax.lax.psum(value, axes) if axes else value
         if self.pipelined and path not in self._stacked:
             value = jax.lax.psum(value, "stage")
-        return grad.replace(value / (self.batch_ways // self.traced_batch_shards))
+        return grad.replace(value / self.manual_batch_ways)
 
     def stacked_mask(self, params):
         """A tree of bools: True for stacked (per-layer) weights, which pipeline stages split."""

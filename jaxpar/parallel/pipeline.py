@@ -65,12 +65,17 @@ def branch_of(action, last_chunk: int) -> int:
     return (F_FIRST if action.kind == "F" else B_FIRST) + place
 
 
-def branch_counts(table: Table, ticks: int | None = None) -> np.ndarray:
-    """(stages, len(BRANCHES)): how many ticks each device takes each branch, over the first
-    `ticks` ticks (all of them by default)."""
+def switch_ticks(table: Table) -> int:
+    """How many ticks the executor's tick switch runs: GPipe scans the forward ticks only (its
+    backward is their transpose), the other schedules every tick of the table."""
+    return table.microbatches + table.stages - 1 if table.schedule == "gpipe" else len(table.ticks)
+
+
+def branch_counts(table: Table) -> np.ndarray:
+    """(stages, len(BRANCHES)): how many times each device takes each branch of the tick switch."""
     last = table.stages * table.virtual - 1
     counts = np.zeros((table.stages, len(BRANCHES)), np.int64)
-    for row in table.ticks[:ticks]:
+    for row in table.ticks[:switch_ticks(table)]:
         for s, action in enumerate(row):
             counts[s, branch_of(action, last)] += 1
     return counts
@@ -107,7 +112,7 @@ def gpipe_value_and_grad(fns: StageFns, params, is_stacked, tokens_MbT, table: T
     large vocabulary, the costliest matmuls of the model) is spread over the stages instead
     of doubling the last stage's work."""
     S, M = table.stages, table.microbatches
-    forward_ticks = M + S - 1
+    forward_ticks = switch_ticks(table)
     branch, micro, _ = _action_arrays(table, forward_ticks)
     s = jax.lax.axis_index(axis)
     x_shape = jax.eval_shape(fns.embed, params, tokens_MbT[0])

@@ -40,10 +40,7 @@ def measure_step(trainer) -> dict:
     flops = matmul_flops(module)
     per_stage = [flops]
     if trainer.pipeline is not None:
-        table = trainer.pipeline
-        # GPipe's tick switch (and its transpose) runs over the forward ticks only
-        ticks = table.microbatches + table.stages - 1 if table.schedule == "gpipe" else None
-        per_stage = executed_matmul_flops(module, TICK_SCOPE, branch_counts(table, ticks).tolist())
+        per_stage = executed_matmul_flops(module, TICK_SCOPE, branch_counts(trainer.pipeline).tolist())
     return {
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),

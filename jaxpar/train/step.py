@@ -164,7 +164,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
                    "loss_scale": state.loss_scale.scale, "skipped_steps": loss_scale.skipped_steps}
         if "moe_expert_tokens" in stats:  # per traced batch -> whole batch, and its spread across experts
-            counts = stats["moe_expert_tokens"] * (layout.batch_ways // layout.traced_batch_shards)
+            counts = stats["moe_expert_tokens"] * layout.manual_batch_ways
             metrics["moe_expert_tokens"] = counts
             metrics["moe_load_cv"] = jnp.std(counts) / jnp.maximum(jnp.mean(counts), 1e-9)
         if pipeline is not None:
