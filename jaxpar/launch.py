@@ -48,6 +48,7 @@ class _Stream(threading.Thread):
         self.pipe, self.out, self.prefix, self.verbose, self.lock = pipe, out, prefix, verbose, lock
         self.fatal: str | None = None
         self._after_cr = False  # the last segment ended in \r: a \n right after it ends the same line
+        self._after_dropped = False  # the last line was runtime noise we did not show
 
     def run(self) -> None:
         buffer = b""
@@ -66,8 +67,14 @@ class _Stream(threading.Thread):
         text = segment.rstrip(b"\r\n")
         if match := _FATAL.match(text):
             self.fatal = self.fatal or match.group(1).decode(errors="replace")
-        if not self.verbose and text and (_RUNTIME_LOG.match(text) or b"peer ranks" in text or b"[Gloo]" in text):
-            return
+        if not self.verbose:
+            # Gloo's threads write their lines and newlines to the same stdout concurrently, so two
+            # messages can arrive as one line followed by an empty one: drop that empty line too.
+            noise = bool(text) and bool(_RUNTIME_LOG.match(text) or b"peer ranks" in text or b"[Gloo]" in text)
+            if noise or (self._after_dropped and not text):
+                self._after_dropped = True
+                return
+            self._after_dropped = False
         with self.lock:
             self.out.buffer.write(self.prefix + segment)
             self.out.flush()

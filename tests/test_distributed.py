@@ -231,6 +231,18 @@ def test_launch_kills_the_others_a_grace_period_after_one_process_fails(tmp_path
                                 "jaxpar launch: process 0 was killed by SIGKILL after process 1 was lost."]
 
 
+def test_launch_hides_interleaved_gloo_lines_and_the_empty_line_they_leave(tmp_path, monkeypatch, capsys):
+    from jaxpar.cli import main
+
+    # Gloo's threads share stdout: two messages can arrive as one line and then an empty one.
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nprintf "[Gloo] Rank 0 is connected[Gloo] Rank 2 is connected\\n\\n{}\\n\\nend\\n"\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    assert main(["launch", "--processes", "1", "--", "verify"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["[0] {}", "[0] ", "[0] end"]  # the program's own blank line stays
+
+
 class _Coordinator:
     """The coordinator's key-value store as StopAgreement sees it: each failing call raises the runtime's error
     for the next status in `set_errors` or `get_errors`, as the real one does."""
