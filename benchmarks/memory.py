@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from jaxpar.config import load_config
-from jaxpar.validation import validate
-from jaxpar.runtime import make_mesh, setup_devices
+from jaxpar.runtime import setup_devices
+from jaxpar.session import on_devices
 
 MODEL_A = ["model.d_model=256", "model.n_layers=11", "model.n_heads=8", "model.d_ff=1024", "mesh.data=8"]
 DEEP_B = ["model.seq_len=256", "train.batch_size=64", "mesh.data=8"]
@@ -56,7 +56,7 @@ def measure(label: str, overrides: list[str]) -> dict:
     """Compile one layout's train step (nothing runs) and return `measure_step`'s figures."""
     cfg = load_config(None, [f"run.dir={os.devnull}", *overrides])
     start = time.perf_counter()
-    plan = measure_step(Trainer(cfg, make_mesh(validate(cfg, len(DEVICES)), DEVICES)))
+    plan = measure_step(Trainer(on_devices(cfg, DEVICES)))
     print(f"{label}: compiled and measured in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return plan
 

@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from jaxpar.config import load_config
-from jaxpar.validation import validate, with_derived
-from jaxpar.runtime import make_mesh, setup_devices
+from jaxpar.runtime import setup_devices
+from jaxpar.session import on_devices
 
 ROUTERS, EXPERT_DEGREES, CAPACITIES, AUX_WEIGHTS = ("topk", "switch", "expert_choice"), (1, 2, 4, 8), \
     (1.0, 1.25, 2.0), (0.0, 0.01)
@@ -80,8 +80,7 @@ def throughput_row(router: str, expert: int, batches: list[np.ndarray]) -> dict:
     start = time.perf_counter()
     cfg = load_config(None, [f"run.dir={os.devnull}", *BASE, f"model.moe.router={router}",
                              f"mesh.expert={expert}", f"mesh.data={len(DEVICES) // expert}"])
-    sizes = validate(cfg, len(DEVICES))
-    trainer = Trainer(with_derived(cfg, sizes), make_mesh(sizes, DEVICES))
+    trainer = Trainer(on_devices(cfg, DEVICES))
     all_to_all = measure_step(trainer)["collectives"].get("all-to-all", 0)
     seconds, metrics, _ = time_steps(trainer.step, trainer.init(), trainer.put_batch, batches, ARGS.warmup)
     last = jax.device_get(metrics)
@@ -166,7 +165,7 @@ def plot(speed: list[dict], balance: list[dict], path: Path) -> None:
         right.bar(np.arange(len(tokens)) + (i - 0.5) * 0.4, tokens, 0.4,
                   label=f"aux_loss_weight={run['aux_loss_weight']:g} (load CV {run['load_cv']:.2f})")
     cfg = load_config(None, [f"run.dir={os.devnull}", *BASE, "mesh.data=8", "mesh.expert=1"])
-    cfg = with_derived(cfg, validate(cfg, len(DEVICES)))  # the group size those runs used
+    cfg = on_devices(cfg, DEVICES).cfg  # the group size those runs used
     moe, factor, tokens = cfg.model.moe, switch[0]["capacity_factor"], cfg.train.batch_size * cfg.model.seq_len
     right.axhline(tokens / moe.experts, color="gray", ls=":", label=f"even split of all {tokens} tokens")
     cap = capacity("switch", moe.group_size, moe.experts, 1, factor) * tokens // moe.group_size

@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 
 from jaxpar.config import load_config
-from jaxpar.validation import validate
-from jaxpar.runtime import make_mesh, setup_devices
+from jaxpar.runtime import setup_devices
+from jaxpar.session import on_devices
 
 STAGES, DATA, MICROBATCHES = 4, 2, (4, 8, 16, 32)
 # label -> (schedule, virtual stages per device, recompute)
@@ -80,7 +80,7 @@ def run_layout(label: str, overrides: list[str], batches: list[np.ndarray]) -> d
     """Build one layout's Trainer, measure its compiled step, then time it; returns the raw figures."""
     start = time.perf_counter()
     cfg = load_config(None, [*BASE, *overrides])
-    trainer = Trainer(cfg, make_mesh(validate(cfg, len(DEVICES)), DEVICES))
+    trainer = Trainer(on_devices(cfg, DEVICES))
     plan = measure_step(trainer)
     seconds, _, _ = time_steps(trainer.step, trainer.init(), trainer.put_batch, batches, ARGS.warmup)
     tokens = cfg.train.batch_size * cfg.model.seq_len

@@ -100,7 +100,7 @@ def trace_events(trace_dir: str) -> list[tuple[str, float]]:
 
 def main() -> int:
     session = prepare(CFG)
-    trainer = Trainer(session.cfg, session.mesh())
+    trainer = Trainer(session)
     ops = hlo_ops(trainer.compile_step().as_text())
     state = trainer.init()
     sampler = session.train_data

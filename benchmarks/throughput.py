@@ -24,7 +24,7 @@ import json
 import sys
 
 from jaxpar.config import ConfigError, load_config
-from jaxpar.validation import validate, with_derived
+from jaxpar.validation import validate
 from jaxpar.runtime import setup_devices
 
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).
@@ -50,7 +50,7 @@ from flax import nnx  # noqa: E402
 from timing import time_steps  # noqa: E402
 from jaxpar.data import BatchSampler, load_tokens, split_tokens  # noqa: E402
 from jaxpar.model import Transformer  # noqa: E402
-from jaxpar.runtime import make_mesh  # noqa: E402
+from jaxpar.session import on_devices  # noqa: E402
 from jaxpar.train.trainer import Trainer  # noqa: E402
 
 # Peak dense FLOP/s per device by compute dtype (fp32 runs its matmuls as TF32), matched by
@@ -112,8 +112,7 @@ def layouts(n: int) -> list[tuple[int, int]]:
 
 def trainer_seconds(cfg, devices, batches: list[np.ndarray], warmup: int) -> float:
     """Time jaxpar's Trainer step for cfg's mesh over `devices`."""
-    sizes = validate(cfg, len(devices))
-    trainer = Trainer(with_derived(cfg, sizes), make_mesh(sizes, devices))
+    trainer = Trainer(on_devices(cfg, devices))
     return median_step_seconds(trainer.step, trainer.init(), trainer.put_batch, batches, warmup)
 
 

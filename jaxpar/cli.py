@@ -89,7 +89,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from jaxpar.plan import format_report, measure_step
     from jaxpar.train.trainer import Trainer
 
-    plan = measure_step(Trainer(session.cfg, session.mesh()))
+    plan = measure_step(Trainer(session))
     from jaxpar import distributed
 
     if not distributed.is_secondary():  # per-device figures: every process compiled the same program

@@ -14,8 +14,7 @@ import re
 import sys
 
 from jaxpar import distributed
-from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig
-from jaxpar.validation import host_split
+from jaxpar.config import MESH_AXES, Config, ConfigError
 
 DEFAULT_CPU_DEVICES = 8
 _GPU_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm7-plugin")
@@ -102,11 +101,11 @@ def setup_devices(cfg: Config) -> list:
     return devices[:wanted]
 
 
-def make_mesh(sizes: dict[str, int], devices: list, mesh_cfg: MeshConfig | None = None):
+def make_mesh(sizes: dict[str, int], devices: list, process_split: dict[str, int] | None = None):
     """A mesh with axes (data, tensor, expert, stage), compiler-propagated (Auto) sharding.
 
-    Across several processes the mesh is hybrid: the axes of mesh.hosts are split between
-    processes, and each process holds a contiguous block of every other axis.
+    Across several processes the mesh is hybrid: each axis spans process_split[axis] processes
+    (jaxpar.validation.host_split), and each process holds a contiguous block of the rest.
     """
     import jax
     import numpy as np
@@ -116,7 +115,7 @@ def make_mesh(sizes: dict[str, int], devices: list, mesh_cfg: MeshConfig | None 
     shape = tuple(sizes[a] for a in MESH_AXES)
     processes = len({d.process_index for d in devices})
     if processes > 1:
-        outer = host_split(sizes, mesh_cfg or MeshConfig(), processes)
+        outer = process_split
         inner = tuple(sizes[a] // outer[a] for a in MESH_AXES)
         grid = mesh_utils.create_hybrid_device_mesh(inner, tuple(outer[a] for a in MESH_AXES), devices,
                                                     process_is_granule=True)

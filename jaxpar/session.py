@@ -1,37 +1,57 @@
-"""Everything checked and loaded before anything is compiled: config, devices, mesh sizes, data."""
+"""Everything checked and derived from the config before anything is compiled: the validated
+config, its devices, mesh sizes, process split and mesh (each computed once, here), and the
+data samplers (loaded when first used)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jaxpar.config import Config
-from jaxpar.validation import validate, with_derived
 from jaxpar.data import BatchSampler, load_tokens, split_tokens
 from jaxpar.runtime import make_mesh, setup_devices
+from jaxpar.validation import validate, with_derived
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Session:
-    """A validated config with its devices, mesh sizes and data samplers."""
+    """A validated config (automatic values filled in) on its devices.
+
+    mesh_sizes: every mesh axis's size; process_split: how many processes each axis spans.
+    """
 
     cfg: Config
     devices: list
     mesh_sizes: dict[str, int]
-    train_data: BatchSampler
-    val_data: BatchSampler
+    process_split: dict[str, int]
+    mesh: object  # jax.sharding.Mesh (jax is imported only after the devices are set up)
 
-    def mesh(self):
-        """The configured mesh over this session's devices."""
-        return make_mesh(self.mesh_sizes, self.devices, self.cfg.mesh)
+    @functools.cached_property
+    def _samplers(self) -> tuple[BatchSampler, BatchSampler]:
+        m, t = self.cfg.model, self.cfg.train
+        train_tokens, val_tokens = split_tokens(load_tokens(self.cfg.data.source, m.vocab_size),
+                                                self.cfg.data.val_fraction, m.seq_len)
+        return (BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed),
+                BatchSampler(val_tokens, m.seq_len, t.batch_size, t.seed))
+
+    @property
+    def train_data(self) -> BatchSampler:
+        return self._samplers[0]
+
+    @property
+    def val_data(self) -> BatchSampler:
+        return self._samplers[1]
+
+
+def on_devices(cfg: Config, devices: list) -> Session:
+    """Validate `cfg` for `devices` (already set up) and derive its mesh; raises UserError."""
+    sizes, split = validate(cfg, len(devices), len({d.process_index for d in devices}))
+    return Session(with_derived(cfg, sizes), devices, sizes, split, make_mesh(sizes, devices, split))
 
 
 def prepare(cfg: Config) -> Session:
-    """Set up devices (emulated on CPU), validate the config and load the data; raises UserError."""
-    devices = setup_devices(cfg)
-    sizes = validate(cfg, len(devices), len({d.process_index for d in devices}))
-    cfg = with_derived(cfg, sizes)
-    m, t = cfg.model, cfg.train
-    train_tokens, val_tokens = split_tokens(load_tokens(cfg.data.source, m.vocab_size), cfg.data.val_fraction,
-                                            m.seq_len)
-    return Session(cfg, devices, sizes, BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed),
-                   BatchSampler(val_tokens, m.seq_len, t.batch_size, t.seed))
+    """Set up devices (emulated on CPU), validate the config, derive its mesh and load the data;
+    raises UserError."""
+    session = on_devices(cfg, setup_devices(cfg))
+    session.train_data  # noqa: B018 (a missing or unreadable data.source is reported before compiling)
+    return session

@@ -139,12 +139,11 @@ def with_derived(cfg: Config, sizes: dict[str, int]) -> Config:
     return cfg.replace(**{"model.moe.group_size": size})
 
 
-def validate(cfg: Config, n_devices: int, processes: int = 1) -> dict[str, int]:
-    """Check every cross-field constraint before anything is compiled; return mesh sizes."""
+def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str, int], dict[str, int]]:
+    """Check every cross-field constraint before anything is compiled; return the mesh sizes
+    and how many processes each axis spans (host_split)."""
     sizes = resolve_mesh(cfg.mesh, n_devices)
-    host_axes(cfg.mesh)
-    if processes > 1:
-        host_split(sizes, cfg.mesh, processes)
+    split = host_split(sizes, cfg.mesh, processes)
     if not 0 < cfg.run.heartbeat_timeout <= MAX_HEARTBEAT_S:
         raise ConfigError(f"run.heartbeat_timeout must be positive and at most {MAX_HEARTBEAT_S} seconds, "
                           f"got {cfg.run.heartbeat_timeout}.")
@@ -190,4 +189,4 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> dict[str, int]:
         raise ConfigError(f"train.loss_scale_window must be positive, got {t.loss_scale_window}.")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
-    return sizes
+    return sizes, split

@@ -126,7 +126,7 @@ def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
     # The restored arrays land directly in the new layout's shardings, with the saved values.
     def restore(layout):
         session = prepare(load_config(BASE[0], [*BASE[1:], f"run.dir={saved}", *layout]))
-        trainer = Trainer(session.cfg, session.mesh())
+        trainer = Trainer(session)
         checkpoints = Checkpoints(saved / "checkpoints", keep=3)
         restored = checkpoints.restore_latest(trainer, warn=pytest.fail)
         checkpoints.close()
@@ -173,7 +173,7 @@ def test_restore_across_pipeline_layouts(tmp_path):
     def trainer(name):
         cfg = load_config(BASE[0], [*BASE[1:], "model.n_layers=4", f"run.dir={tmp_path}", *PIPELINES[name]])
         session = prepare(cfg)
-        return Trainer(session.cfg, session.mesh())
+        return Trainer(session)
 
     def round_trip(source, state, target, folder):
         checkpoints = Checkpoints(tmp_path / folder, keep=1)
@@ -304,7 +304,7 @@ def trainer():
     from jaxpar.train.trainer import Trainer
 
     session = prepare(load_config(BASE[0], BASE[1:]))
-    return Trainer(session.cfg, session.mesh())
+    return Trainer(session)
 
 
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())

@@ -10,7 +10,7 @@ from jaxpar.train.trainer import Trainer
 
 
 def _compiled(session):
-    trainer = Trainer(session.cfg, session.mesh())
+    trainer = Trainer(session)
     return trainer, collectives(trainer.compile_step().as_text(), session.mesh_sizes)
 
 

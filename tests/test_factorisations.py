@@ -82,7 +82,7 @@ def test_layout_is_refused_in_one_sentence_or_compiles_and_representatives_verif
         result = verify(session, log=lambda line: None)
         assert result["ok"], result
     else:
-        Trainer(session.cfg, session.mesh()).compile_step()
+        Trainer(session).compile_step()
 
 
 def test_every_combination_of_axes_has_a_representative():

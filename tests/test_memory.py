@@ -24,7 +24,7 @@ def plans():
     def plan(*overrides):
         if overrides not in cache:
             session = prepare(load_config(None, [f"run.dir={os.devnull}", *overrides]))
-            cache[overrides] = measure_step(Trainer(session.cfg, session.mesh()))
+            cache[overrides] = measure_step(Trainer(session))
         return cache[overrides]
 
     return plan

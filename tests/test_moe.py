@@ -27,7 +27,7 @@ def test_router_matches_single_device(router, layout, session_for):
 
 def _trainer(*overrides):
     session = prepare(load_config(None, [f"run.dir={os.devnull}", *MOE, *overrides]))
-    return session, Trainer(session.cfg, session.mesh())
+    return session, Trainer(session)
 
 
 def test_all_to_all_bytes_are_the_dispatched_activations():

@@ -116,7 +116,7 @@ def test_1f1b_bounds_activation_memory_by_stages_not_microbatches():
     temps = {}
     for schedule in ("gpipe", "1f1b"):
         session = prepare(load_config(None, base + [f"parallel.pipeline.schedule={schedule}"]))
-        plan = measure_step(Trainer(session.cfg, session.mesh()))
+        plan = measure_step(Trainer(session))
         temps[schedule] = plan["temp_bytes"]
         assert plan["collectives"]["collective-permute"] > 0
     assert temps["1f1b"] <= 0.5 * temps["gpipe"]
@@ -139,7 +139,7 @@ def test_1f1b_executes_the_matmuls_of_data_parallelism_and_recompute_adds_a_forw
 
     def plan(*overrides):
         session = prepare(load_config(None, base + list(overrides)))
-        return measure_step(Trainer(session.cfg, session.mesh()))
+        return measure_step(Trainer(session))
 
     flat = plan("mesh.data=8")
     assert flat["executed_flops"] == flat["flops"] and flat["executed_flops_per_stage"] == [flat["flops"]]

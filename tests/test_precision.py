@@ -18,7 +18,7 @@ def test_fp16_follows_the_fp32_loss_curve(session_for):
     losses = {}
     for precision in ("fp32", "fp16"):
         session = session_for("mesh.data=8", "train.steps=100", f"train.precision={precision}")
-        trainer = Trainer(session.cfg, session.mesh())
+        trainer = Trainer(session)
         state, history = trainer.init(), []
         for index in range(100):
             state, metrics = trainer.step(state, trainer.put_batch(session.train_data.batch(index)))
@@ -33,7 +33,7 @@ def test_fp16_follows_the_fp32_loss_curve(session_for):
 
 def test_overflowing_step_is_skipped_and_the_scale_halves(session_for):
     session = session_for("mesh.data=4", "mesh.tensor=2", "train.precision=fp16")
-    trainer = Trainer(session.cfg, session.mesh())
+    trainer = Trainer(session)
     state = trainer.init()
     for index in range(2):
         state, _ = trainer.step(state, trainer.put_batch(session.train_data.batch(index)))
@@ -98,7 +98,7 @@ def test_fp32_nonfinite_step_is_skipped_under_on_nonfinite_skip(session_for):
     """fp32 with train.on_nonfinite=skip: a step whose gradients are not finite leaves parameters and
     optimizer state bit-identical and counts one skipped step; the next finite step updates again."""
     session = session_for(*TINY, "mesh.data=8", "train.on_nonfinite=skip")
-    trainer = Trainer(session.cfg, session.mesh())
+    trainer = Trainer(session)
     state, _ = trainer.step(trainer.init(), trainer.put_batch(session.train_data.batch(0)))
     assert int(state.loss_scale.skipped_steps) == 0
     # Inject: fp32 keeps a constant loss scale of 1; an infinite one makes every gradient inf/nan.

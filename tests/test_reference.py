@@ -34,7 +34,7 @@ def rel_err(a, b) -> float:
 
 def run_jaxpar(session):
     """Five steps of jaxpar's jitted single-device step: (initial params, final params, per-step metrics)."""
-    trainer = Trainer(session.cfg, session.mesh())
+    trainer = Trainer(session)
     state = trainer.init()
     initial, metrics = by_name(state.params), []
     for index in range(STEPS):

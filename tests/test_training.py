@@ -34,7 +34,7 @@ def test_same_seed_same_run(session_for):
     runs = []
     for _ in range(2):
         session = session_for("train.steps=3", "mesh.data=8")
-        trainer = Trainer(session.cfg, session.mesh())
+        trainer = Trainer(session)
         state, losses = trainer.init(), []
         for index in range(3):
             state, metrics = trainer.step(state, trainer.put_batch(session.train_data.batch(index)))

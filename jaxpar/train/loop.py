@@ -21,7 +21,6 @@ from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.report import append_jsonl, plot_loss, read_jsonl, write_json_atomic, write_jsonl_atomic
 from jaxpar.train.sample import greedy_sample
 from jaxpar.train.trainer import Trainer
-from jaxpar.validation import host_split
 
 SAMPLE_PROMPT = "The "
 
@@ -120,7 +119,7 @@ def train(session: Session, progress: bool = True) -> dict:
     save is on disk before this returns or raises.
     """
     cfg = session.cfg
-    trainer = Trainer(cfg, session.mesh())
+    trainer = Trainer(session)
     checkpoints = Checkpoints(Path(cfg.run.dir) / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_)
     try:
         return _train(session, trainer, checkpoints, progress)
@@ -145,7 +144,7 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     tokens_per_step = t.batch_size * cfg.model.seq_len
     processes = ""
     if jax.process_count() > 1:
-        split = host_split(session.mesh_sizes, cfg.mesh, jax.process_count())
+        split = session.process_split
         processes = f", {jax.process_count()} processes over " + " x ".join(
             f"{axis}={n}" for axis, n in split.items() if n > 1)
     _say(f"jaxpar: training {cfg.model.n_layers}-layer d={cfg.model.d_model} model on {_layout(session)} "

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import Config
+from jaxpar.session import Session
 from jaxpar.model import Transformer
 from jaxpar.parallel import Layout
 from jaxpar.parallel.schedules import build as build_schedule
@@ -29,8 +29,10 @@ class Trainer:
     `jit(out_shardings=...)`.
     """
 
-    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, session: Session):
+        cfg = session.cfg
+        self.cfg, self.mesh = cfg, session.mesh
+        mesh = session.mesh
         self.layout = Layout(mesh, zero=cfg.parallel.zero, compute_dtype=COMPUTE_DTYPES[cfg.train.precision])
         abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
         self.graphdef, abstract_params = nnx.split(abstract_model)

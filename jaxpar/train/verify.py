@@ -9,8 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxpar.runtime import make_mesh
-from jaxpar.session import Session
+from jaxpar.session import Session, on_devices
 from jaxpar.train.checkpoint import flat_by_path
 from jaxpar.train.trainer import Trainer
 
@@ -52,10 +51,9 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 def verify(session: Session, log=print) -> dict:
     """Run both sides for train.steps steps; return the result dict printed by the CLI."""
     cfg = session.cfg
-    layout = Trainer(cfg, session.mesh())
-    ref_sizes = {axis: 1 for axis in session.mesh_sizes}
+    layout = Trainer(session)
     # In a multi-process run every process keeps its own reference on one of its own devices.
-    reference = Trainer(reference_config(cfg), make_mesh(ref_sizes, jax.local_devices()[:1]))
+    reference = Trainer(on_devices(reference_config(cfg), jax.local_devices()[:1]))
     # The layout's arrays may span processes: copy them whole onto every device before reading them.
     gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
 
