@@ -36,11 +36,16 @@ def test_batches_are_reproducible_per_step_and_differ_across_steps():
     assert all(np.all((row[1:] - row[:-1]) % 256 == 1) for row in first)
 
 
+def validation_batches(sampler: BatchSampler, count: int) -> list[np.ndarray]:
+    """The `count` validation batches, read as the training loop reads them."""
+    return [sampler.windows(starts) for starts in sampler.fixed_starts(count)]
+
+
 def test_validation_split_is_held_out():
     tokens = np.arange(1000)
     train, val = split_tokens(tokens, 0.1, 8)
     assert len(val) == 100 and train[-1] + 1 == val[0]
-    batches = BatchSampler(val, 8, 2, 0).fixed_batches(3)
+    batches = validation_batches(BatchSampler(val, 8, 2, 0), 3)
     assert len(batches) == 3 and all(b.min() >= 900 for b in batches)
 
 
@@ -59,6 +64,6 @@ def test_val_fraction_holds_out_the_tail_and_training_never_reads_it(session_for
     train_windows = np.concatenate([session.train_data.batch(step) for step in range(200)])
     assert train_windows.max() < boundary
     assert train_windows.min() < 0.01 * boundary and train_windows.max() > 0.99 * boundary  # the whole train part
-    val_windows = np.concatenate(session.val_data.fixed_batches(session.cfg.train.eval_batches))
+    val_windows = np.concatenate(validation_batches(session.val_data, session.cfg.train.eval_batches))
     assert val_windows.min() == boundary and val_windows.max() == n - 1  # the whole tail, nothing before it
     assert all(np.all(np.diff(w) == 1) for w in val_windows)  # contiguous windows

@@ -33,7 +33,3 @@ class BatchSampler:
         """(count, batch_size) starts of evenly spaced windows covering the array (for validation)."""
         last = len(self.tokens) - self.seq_len - 1
         return np.linspace(0, last, count * self.batch_size).astype(np.int64).reshape(count, self.batch_size)
-
-    def fixed_batches(self, count: int) -> list[np.ndarray]:
-        """`count` batches of evenly spaced windows covering the array (for validation)."""
-        return [self.windows(chunk) for chunk in self.fixed_starts(count)]
