@@ -52,11 +52,6 @@ class ProcessSetup:
     num_processes: int | None
     process_id: int | None
 
-    @property
-    def detected(self) -> bool:
-        """Whether JAX's cluster detection (SLURM, Open MPI, ...) fills in the fields."""
-        return self.coordinator is None
-
 
 def _int_env(env: dict, name: str) -> int:
     try:

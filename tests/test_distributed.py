@@ -184,7 +184,7 @@ def test_environment_decides_single_or_multi_process():
     env = {"JAXPAR_COORDINATOR": "10.0.0.1:1234", "JAXPAR_NUM_PROCESSES": "4", "JAXPAR_PROCESS_ID": "3"}
     assert from_environment(env) == ProcessSetup("10.0.0.1:1234", 4, 3)
     assert from_environment({**env, "JAXPAR_NUM_PROCESSES": "1", "JAXPAR_PROCESS_ID": "0"}) is None
-    assert from_environment({"SLURM_NTASKS": "8"}).detected
+    assert from_environment({"SLURM_NTASKS": "8"}) == ProcessSetup(None, None, None)  # JAX detects the rest
     assert from_environment({"SLURM_NTASKS": "1"}) is None
     with pytest.raises(ConfigError, match="needs all three"):
         from_environment({"JAXPAR_COORDINATOR": "10.0.0.1:1234"})
