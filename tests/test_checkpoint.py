@@ -8,7 +8,6 @@ as the uninterrupted 40-step reference run, and its metrics must equal the refer
 """
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -50,14 +49,36 @@ def train_here(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def start_training(run_dir: Path, *overrides: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
-    """`python -m jaxpar train` as a separate process (so it can be killed); stderr goes to a file."""
+# `jaxpar <args>` in a process whose Orbax holds the save of step <argv[1]> open: its data is written but
+# its folder is renamed from the temporary name only after 600 s, so a test can kill the process mid-save.
+_HOLDING_A_SAVE = """
+import asyncio, sys
+import orbax.checkpoint as ocp
+from jaxpar.cli import main
+
+held_step, args = sys.argv[1], sys.argv[2:]
+rename = ocp.path.atomicity.AtomicRenameTemporaryPath
+finalize = rename.finalize
+
+async def held_finalize(self, *a, **k):
+    if self.get_final().name == held_step:
+        await asyncio.sleep(600)
+    await finalize(self, *a, **k)
+
+rename.finalize = held_finalize
+sys.exit(main(args))
+"""
+
+
+def start_training(run_dir: Path, *overrides: str, hold_save_of: int | None = None) -> tuple[subprocess.Popen, Path]:
+    """`python -m jaxpar train` as a separate process (so it can be killed); stderr goes to a file.
+    With `hold_save_of`, that step's save never completes (see _HOLDING_A_SAVE)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     err_path = run_dir.parent / f"{run_dir.name}-stderr-{time.monotonic_ns()}.txt"
+    jaxpar = ["-m", "jaxpar"] if hold_save_of is None else ["-c", _HOLDING_A_SAVE, str(hold_save_of)]
     with err_path.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "jaxpar", "train", "--no-progress", *BASE,
-                                 f"run.dir={run_dir}", *overrides], cwd=REPO, stdout=subprocess.DEVNULL,
-                                stderr=err, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen([sys.executable, *jaxpar, "train", "--no-progress", *BASE, f"run.dir={run_dir}",
+                                 *overrides], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
     return proc, err_path
 
 
@@ -214,9 +235,11 @@ def test_sigkill_at_any_moment_resumes_from_the_newest_complete_checkpoint(tmp_p
     proc.wait()
     newest = checkpoint_steps(run_dir)[-1]
 
-    # 2. Killed during the save of step 20 (held open by the test hook), after save 15 completed.
-    proc, err_path = start_training(run_dir, *settings, env={"JAXPAR_TEST_SLOW_SAVE": "20"})
+    # 2. Killed during the save of step 20 (held open), after save 15 completed.
+    proc, err_path = start_training(run_dir, *settings, hold_save_of=20)
     wait_for(lambda: any(p.startswith("20.") for p in partial_saves(run_dir)), proc, "the save of step 20")
+    time.sleep(3)  # a save that is not held completes within this time
+    assert checkpoint_steps(run_dir)[-1] == 15, "the save of step 20 was not held open"
     proc.kill()
     proc.wait()
     assert f"resuming from the checkpoint at step {newest} " in err_path.read_text()

@@ -2,8 +2,8 @@
 
 A checkpoint has two items. `state` is the TrainState (step, parameters, optimizer and
 loss-scale state) as a nested dict of arrays keyed by pytree path. `meta` is JSON: the
-step, the data position (the step: batches are a pure function of seed and step), the
-seed, the resolved config and the shape of every array.
+step (also the data position: batches are a pure function of seed and step), the seed,
+the resolved config and the shape of every array.
 
 Keying by path instead of by pytree type makes a checkpoint independent of the mesh, the
 ZeRO stage and the pipeline schedule. Stacked layers are saved in model order (interleaved
@@ -23,11 +23,9 @@ ends the run and leaves every checkpoint where it is.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import errno
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -41,11 +39,6 @@ from jaxpar.config import Config, flatten_dict
 from jaxpar.errors import RunFailed, UserError
 from jaxpar.train.precision import LossScale
 from jaxpar.train.step import TrainState
-
-# Test-only hook: JAXPAR_TEST_SLOW_SAVE=<step> holds that step's save open (its data written,
-# its folder not yet renamed) so that a test can kill the process in the middle of a save.
-SLOW_SAVE_ENV = "JAXPAR_TEST_SLOW_SAVE"
-_SLOW_SAVE_SECONDS = 600
 
 class CheckpointMismatch(UserError):
     """A checkpoint that cannot be restored into this config (another model shape, optimizer or seed)."""
@@ -65,11 +58,10 @@ class _Damaged(Exception):
 
 @dataclasses.dataclass
 class Restored:
-    """A restored training state, the step it was saved at and its metadata."""
+    """A restored training state and the step it was saved at."""
 
     state: TrainState
     step: int
-    meta: dict
 
 
 def _entry_name(entry) -> str:
@@ -215,15 +207,6 @@ def _rejoin_restore_barrier() -> None:
                                                                              prefix=_BARRIER_PREFIX))
 
 
-class _SlowSaveForTests(ocp.path.atomicity.AtomicRenameTemporaryPath):
-    """Test-only: delays the final rename of the step named by JAXPAR_TEST_SLOW_SAVE."""
-
-    async def finalize(self, *args, **kwargs):
-        if self.get_final().name == os.environ.get(SLOW_SAVE_ENV):
-            await asyncio.sleep(_SLOW_SAVE_SECONDS)
-        await super().finalize(*args, **kwargs)
-
-
 class Checkpoints:
     """The checkpoints of one run: periodic and final saves, and restoring the newest good one."""
 
@@ -239,8 +222,7 @@ class Checkpoints:
             options = ocp.CheckpointManagerOptions(
                 preservation_policy=ocp.checkpoint_managers.LatestN(self.keep),
                 enable_async_checkpointing=self.async_save, cleanup_tmp_directories=True,
-                multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=_BARRIER_PREFIX),
-                temporary_path_class=_SlowSaveForTests if os.environ.get(SLOW_SAVE_ENV) else None)
+                multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=_BARRIER_PREFIX))
             self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         return self._manager
 
@@ -255,7 +237,7 @@ class Checkpoints:
         to host memory, and writes them in the background when checkpoint.async is on."""
         cfg = trainer.cfg
         canonical = trainer.to_model_order(state)  # the identity unless the layout stores layers permuted
-        meta = {"step": step, "data_position": step, "seed": cfg.train.seed, "config": cfg.to_dict(),
+        meta = {"step": step, "seed": cfg.train.seed, "config": cfg.to_dict(),
                 "spec": state_spec(canonical)}
         self._open().save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(_nest(flat_by_path(canonical))), meta=ocp.args.JsonSave(meta)))
@@ -295,7 +277,7 @@ class Checkpoints:
             meta = _check_meta(self._read(step, meta=ocp.args.JsonRestore()).meta)
             check_compatible(meta, trainer.cfg, abstract, str(self.directory))
             state = self._restore_state(step, trainer, abstract, meta)
-            return Restored(self._adapt_loss_scale(state, meta, trainer), step, meta)
+            return Restored(self._adapt_loss_scale(state, meta, trainer), step)
         except (_Damaged, CheckpointMismatch, RestoreFailed):
             raise
         except Exception as e:  # noqa: BLE001 - not damage (a bug, out of memory, a sharding error): end the run
