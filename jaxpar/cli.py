@@ -14,10 +14,7 @@ import json
 import sys
 
 from jaxpar.config import ConfigError, load_config
-from jaxpar.errors import RunFailed, UserError
-
-EXIT_USAGE = 2
-EXIT_DIVERGED = 1
+from jaxpar.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, RunFailed, UserError
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -44,7 +41,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except NonFiniteLoss as e:
         # Not a config mistake: the run diverged, so exit 1 rather than 2.
         print(f"jaxpar: {e}", file=sys.stderr)
-        return EXIT_DIVERGED
+        return EXIT_FAILED
     if "preempted" in summary:
         return 0  # the loop has said where the checkpoint is
     from jaxpar import distributed
@@ -180,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         distributed.abandon()
         print("jaxpar: interrupted.", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception:
         distributed.wait_for_lost_peer()  # a peer's death surfaces here as a failed collective
         distributed.abandon()

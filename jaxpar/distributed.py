@@ -25,13 +25,12 @@ import time
 from typing import Callable, TypeVar
 
 from jaxpar.config import ConfigError
-from jaxpar.errors import RunFailed
+from jaxpar.errors import EXIT_LOST, RunFailed
 
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
 ENV_LOCAL_DEVICES = "JAXPAR_LOCAL_DEVICES"  # emulated CPU devices per process (set by `jaxpar launch`)
-EXIT_LOST = 3  # a peer process was lost (distinct from 1 = diverged and 2 = user mistake)
 _KEY_PREFIX = "jaxpar/alive/"
 _TRIES, _RETRY_SLEEP_S = 3, 1.0  # a coordinator call that fails for no expected reason is tried this often
 _SHARE_TIMEOUT_MS = 120_000  # how long share() waits for a peer's value (the peers are at most a read behind)

@@ -1,8 +1,14 @@
-"""The exception types whose message is all a user needs: the CLI prints it as one sentence."""
+"""The exception types whose message is all a user needs (the CLI prints it as one sentence), and
+the exit codes of `jaxpar` and `jaxpar launch`."""
+
+EXIT_FAILED = 1  # the run cannot go on: its loss diverged, or a RunFailed
+EXIT_USAGE = 2  # a user mistake (config, input, devices), reported before anything is compiled
+EXIT_LOST = 3  # a peer process was lost, or the coordinator stopped answering
+EXIT_INTERRUPTED = 130  # Ctrl-C that the run did not handle itself, as shells report SIGINT (128 + 2)
 
 
 class UserError(Exception):
-    """A config or input mistake; the CLI prints its one-sentence message and exits with 2."""
+    """A config or input mistake; the CLI prints its one-sentence message and exits with EXIT_USAGE."""
 
 
 class RunFailed(Exception):
@@ -14,7 +20,7 @@ class RunFailed(Exception):
     reports it.
     """
 
-    exit_code = 1
+    exit_code = EXIT_FAILED
 
     def __init__(self, message: str, everywhere: bool = False):
         super().__init__(message)

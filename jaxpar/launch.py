@@ -24,13 +24,13 @@ import time
 
 from jaxpar import distributed
 from jaxpar.config import ConfigError
+from jaxpar.errors import EXIT_LOST, EXIT_USAGE
 
 # glog lines (I1129 11:03:11.66 123 file.cc:45] ...), their stack frames, and gloo's connection chatter
 _RUNTIME_LOG = re.compile(rb"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]|\s+@\s+0x|\*\*\* |"
                           rb"RPC: /|The tasks have crashed|\d+$|:UNKNOWN:|Additional GRPC error)")
 _FATAL = re.compile(rb"^F\d{4} [^\]]*\] (.*)")
 DEFAULT_GRACE_S = 60.0
-EXIT_USAGE = 2
 
 
 def free_port() -> int:
@@ -193,6 +193,6 @@ def _report(lock: threading.Lock, index: int, rc: int, pair: list, lost: int | N
     fatal = next((s.fatal for s in pair if s.fatal), None)
     if rc == EXIT_USAGE:
         return  # a user mistake: process 0 has said what to change
-    after = f" after process {lost} was lost" if lost is not None and (rc < 0 or rc == distributed.EXIT_LOST) else ""
+    after = f" after process {lost} was lost" if lost is not None and (rc < 0 or rc == EXIT_LOST) else ""
     cause = f" (the JAX runtime said: {fatal.split('. ')[0].rstrip('.')})" if fatal else ""
     _say(lock, f"process {index} {_describe(rc)}{after}{cause}.")

@@ -18,6 +18,7 @@ import pytest
 from jaxpar import distributed
 from jaxpar.config import ConfigError, MeshConfig
 from jaxpar.distributed import CoordinatorFailed, ProcessSetup, StopAgreement, from_environment
+from jaxpar.errors import EXIT_LOST
 from jaxpar.validation import host_split
 
 TINY = ["model.d_model=64", "model.n_layers=2", "model.seq_len=64", "train.batch_size=16", "train.log_every=1",
@@ -296,4 +297,4 @@ def test_stop_agreement_retries_a_failing_coordinator_then_ends_the_run_in_one_s
     assert coordinator.gets == distributed._TRIES
     assert str(failed.value) == (f"reading the stop step from the coordinator failed {distributed._TRIES} times "
                                  "(UNAVAILABLE: injected); process 0 stops, resume from the last checkpoint.")
-    assert failed.value.exit_code == distributed.EXIT_LOST
+    assert failed.value.exit_code == EXIT_LOST
