@@ -98,15 +98,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_schedule(args: argparse.Namespace) -> int:
     from jaxpar.parallel.schedules import SCHEDULES, build
     from jaxpar.plan.schedule_chart import draw, summary, text_chart
+    from jaxpar.validation import check_schedule_flags
 
-    if args.schedule not in SCHEDULES:
-        raise ConfigError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {args.schedule!r}.")
-    if args.stages < 1 or args.microbatches < 1 or args.virtual < 1:
-        raise ConfigError("--stages, --microbatches and --virtual must be positive.")
-    if args.virtual > 1 and args.schedule != "interleaved":
-        raise ConfigError(f"--virtual {args.virtual} needs --schedule interleaved.")
-    if args.schedule == "interleaved" and args.microbatches % args.stages:
-        raise ConfigError(f"interleaved 1F1B needs --microbatches to be a multiple of --stages ({args.stages}).")
+    check_schedule_flags(args.schedule, args.stages, args.microbatches, args.virtual, SCHEDULES)
     table = build(args.schedule, args.stages, args.microbatches, args.virtual)
     print(text_chart(table))
     if args.out:

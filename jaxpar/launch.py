@@ -23,8 +23,8 @@ import threading
 import time
 
 from jaxpar import distributed
-from jaxpar.config import ConfigError
 from jaxpar.errors import EXIT_LOST, EXIT_USAGE
+from jaxpar.validation import check_launch_flags
 
 # glog lines (I1129 11:03:11.66 123 file.cc:45] ...), their stack frames, and gloo's connection chatter
 _RUNTIME_LOG = re.compile(rb"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]|\s+@\s+0x|\*\*\* |"
@@ -111,13 +111,7 @@ def _child_env(index: int, processes: int, devices_per_process: int | None, port
 def launch(processes: int, command: list[str], devices_per_process: int | None = None,
            grace: float = DEFAULT_GRACE_S, verbose: bool = False) -> int:
     """Run `jaxpar <command>` in `processes` local processes; return the launcher's exit code."""
-    if processes < 1:
-        raise ConfigError(f"--processes must be positive, got {processes}.")
-    if devices_per_process is not None and devices_per_process < 1:
-        raise ConfigError(f"--devices-per-process must be positive, got {devices_per_process}.")
-    if not command or command[0] not in ("train", "verify", "plan"):
-        raise ConfigError("give the jaxpar command to run after '--', e.g. "
-                          "'jaxpar launch --processes 2 -- train mesh.tensor=4'.")
+    check_launch_flags(processes, devices_per_process, command)
     port = free_port()
     lock = threading.Lock()
     children, streams = [], []

@@ -14,7 +14,8 @@ import re
 import sys
 
 from jaxpar import distributed
-from jaxpar.config import MESH_AXES, Config, ConfigError
+from jaxpar.config import MESH_AXES, Config
+from jaxpar.validation import check_device_count, requested_devices
 
 DEFAULT_CPU_DEVICES = 8
 _GPU_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm7-plugin")
@@ -24,16 +25,6 @@ _ACCELERATOR_PLUGINS = _GPU_PLUGINS + ("libtpu",)
 # old --xla_gpu_enable_async_* flags are gone, and XLA aborts on an unknown flag).
 GPU_XLA_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true"
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
-
-
-def requested_devices(cfg: Config) -> int | None:
-    """The device count asked for by run.devices, or None for 'auto'."""
-    value = cfg.run.devices
-    if value == "auto":
-        return None
-    if isinstance(value, int) and value > 0:
-        return value
-    raise ConfigError(f"run.devices must be 'auto' or a positive number, got {value!r}.")
 
 
 def has_accelerator_plugin(plugins: tuple[str, ...] = _ACCELERATOR_PLUGINS) -> bool:
@@ -87,17 +78,13 @@ def setup_devices(cfg: Config) -> list:
     import jax
 
     devices = jax.devices()
+    check_device_count(wanted, len(devices), devices[0].platform, jax.process_count())
     if jax.process_count() > 1:
-        if wanted is not None and wanted != len(devices):
-            raise ConfigError(f"run.devices={wanted} but a multi-process run uses all {len(devices)} devices of its "
-                              f"{jax.process_count()} processes; leave run.devices=auto.")
         return devices
     if wanted is None:
         if devices[0].platform == "cpu":
             return devices[:DEFAULT_CPU_DEVICES]
         return devices
-    if wanted > len(devices):
-        raise ConfigError(f"run.devices={wanted} but only {len(devices)} {devices[0].platform} devices exist.")
     return devices[:wanted]
 
 

@@ -1,4 +1,5 @@
-"""Cross-field checks of a Config against the device count, before anything is compiled.
+"""Every check of what a user gives (the config against the device count, run.devices against the
+devices found, the flags of `jaxpar schedule` and `jaxpar launch`), before anything is compiled.
 
 Every failure is a ConfigError with one sentence saying what to change. Pure Python (no jax).
 """
@@ -9,8 +10,53 @@ import math
 
 from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig
 
+LAUNCHABLE_COMMANDS = ("train", "verify", "plan")
 MAX_SEED = 2 ** 63 - 1  # numpy wants a non-negative seed, jax one that fits in 64 bits
 MAX_HEARTBEAT_S = 86_400  # the distributed runtime takes whole seconds in a C int
+
+
+def requested_devices(cfg: Config) -> int | None:
+    """The device count asked for by run.devices, or None for 'auto'."""
+    value = cfg.run.devices
+    if value == "auto":
+        return None
+    if isinstance(value, int) and value > 0:
+        return value
+    raise ConfigError(f"run.devices must be 'auto' or a positive number, got {value!r}.")
+
+
+def check_device_count(wanted: int | None, available: int, platform: str, processes: int) -> None:
+    """Raise ConfigError unless run.devices (`wanted`, None for auto) fits the devices found: a
+    multi-process run uses all of them, a single process at most as many as exist."""
+    if processes > 1:
+        if wanted is not None and wanted != available:
+            raise ConfigError(f"run.devices={wanted} but a multi-process run uses all {available} devices of its "
+                              f"{processes} processes; leave run.devices=auto.")
+    elif wanted is not None and wanted > available:
+        raise ConfigError(f"run.devices={wanted} but only {available} {platform} devices exist.")
+
+
+def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual: int, schedules: tuple) -> None:
+    """The flags of `jaxpar schedule`: one of `schedules`, positive sizes, and what interleaving needs."""
+    if schedule not in schedules:
+        raise ConfigError(f"--schedule must be one of {', '.join(schedules)}, got {schedule!r}.")
+    if stages < 1 or microbatches < 1 or virtual < 1:
+        raise ConfigError("--stages, --microbatches and --virtual must be positive.")
+    if virtual > 1 and schedule != "interleaved":
+        raise ConfigError(f"--virtual {virtual} needs --schedule interleaved.")
+    if schedule == "interleaved" and microbatches % stages:
+        raise ConfigError(f"interleaved 1F1B needs --microbatches to be a multiple of --stages ({stages}).")
+
+
+def check_launch_flags(processes: int, devices_per_process: int | None, command: list[str]) -> None:
+    """The flags of `jaxpar launch`: positive counts, and a command to run after '--'."""
+    if processes < 1:
+        raise ConfigError(f"--processes must be positive, got {processes}.")
+    if devices_per_process is not None and devices_per_process < 1:
+        raise ConfigError(f"--devices-per-process must be positive, got {devices_per_process}.")
+    if not command or command[0] not in LAUNCHABLE_COMMANDS:
+        raise ConfigError("give the jaxpar command to run after '--', e.g. "
+                          "'jaxpar launch --processes 2 -- train mesh.tensor=4'.")
 
 
 def resolve_mesh(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
@@ -76,6 +122,10 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     v = p.virtual if p.schedule == "interleaved" else 1
     if L % (S * v):
         raise ConfigError(f"model.n_layers={L} is not divisible by mesh.stage x virtual stages = {S} x {v}.")
+    moe = cfg.model.moe
+    if moe.experts and moe.every > 0 and (L // moe.every) % (S * v):
+        raise ConfigError(f"the {L // moe.every} units of model.moe.every={moe.every} layers are not divisible by "
+                          f"mesh.stage x virtual stages = {S} x {v}.")
     if p.schedule in ("1f1b", "2bw", "interleaved") and p.microbatches < S:
         raise ConfigError(f"the {p.schedule} schedule needs at least as many microbatches as stages, "
                           f"got parallel.pipeline.microbatches={p.microbatches} < mesh.stage={S}.")
@@ -93,7 +143,7 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
 
 
 def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
-    moe, m, t = cfg.model.moe, cfg.model, cfg.train
+    moe, m = cfg.model.moe, cfg.model
     if moe.experts < 0:
         raise ConfigError(f"model.moe.experts must be 0 (dense) or positive, got {moe.experts}.")
     if moe.experts == 0:
@@ -109,21 +159,19 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
     tokens = routed_tokens_per_device(cfg, sizes)
     if moe.group_size < 0 or (moe.group_size and tokens % moe.group_size):
         raise ConfigError(f"model.moe.group_size={moe.group_size} does not divide the {tokens} tokens per device "
-                          f"(train.batch_size / (data x expert x grad_accum) x model.seq_len); leave it 0 to fit.")
-    if sizes["stage"] > 1:
-        raise ConfigError("mixture of experts with mesh.stage > 1 is not supported yet.")
-    if t.grad_accum > 1 and moe.noise and moe.router == "topk":
-        raise ConfigError("noisy top-k routing draws noise per routing group of the whole batch, so it cannot be "
-                          "combined with train.grad_accum > 1; set model.moe.noise=false.")
+                          f"(train.batch_size / (data x expert x microbatches) x model.seq_len, microbatches being train.grad_accum or "
+                          f"parallel.pipeline.microbatches); leave it 0 to fit.")
 
 
 MAX_AUTO_GROUP = 256
 
 
 def routed_tokens_per_device(cfg: Config, sizes: dict[str, int]) -> int:
-    """Tokens one device routes at a time: its share of the batch (of one accumulation microbatch)."""
+    """Tokens one device routes at a time: its share of the batch (of one accumulation or pipeline
+    microbatch)."""
     t = cfg.train
-    return t.batch_size // (sizes["data"] * sizes["expert"] * t.grad_accum) * cfg.model.seq_len
+    microbatches = cfg.parallel.pipeline.microbatches if sizes["stage"] > 1 else t.grad_accum
+    return t.batch_size // (sizes["data"] * sizes["expert"] * microbatches) * cfg.model.seq_len
 
 
 def with_derived(cfg: Config, sizes: dict[str, int]) -> Config:

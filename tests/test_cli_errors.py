@@ -29,6 +29,7 @@ BAD_INPUTS = {
     "short corpus": (["data.source={tmp}/short.txt"], "too few for windows"),
     "bad token file": (["data.source={tmp}/odd.bin"], "odd byte count"),
     "too many devices": (["run.devices=64"], "only 8 cpu devices exist"),
+    "no devices": (["run.devices=0"], "run.devices must be 'auto' or a positive number, got 0."),
     "layers not divisible by stages": (["mesh.data=2", "mesh.stage=4", "model.n_layers=6"],
                                        "model.n_layers=6 is not divisible by mesh.stage x virtual stages"),
     "layers not divisible by virtual stages": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
@@ -51,8 +52,6 @@ BAD_INPUTS = {
     "zero 2 with interleaved stages": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
                                         "parallel.pipeline.virtual=2", "parallel.zero=2"],
                                        "parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3."),
-    "noisy top-k with accumulation": (["model.moe.experts=4", "model.moe.router=topk", "train.grad_accum=2"],
-                                      "cannot be combined with train.grad_accum > 1; set model.moe.noise=false."),
     "negative seed": (["train.seed=-1"], "train.seed must be between 0 and 2**63 - 1, got -1."),
     "non-finite learning rate": (["train.lr=nan"], "train.lr must be a finite number, got nan."),
     "empty data source": (["data.source="], "data.source must be a non-empty path"),
@@ -73,6 +72,32 @@ def test_bad_input_exits_2_with_one_sentence(case, command, tmp_path, capsys):
     assert message in err
     assert len(err.splitlines()) == 1 and err.startswith("jaxpar: error: ") and err.endswith((".", "?"))
     assert not run_dir.exists(), "nothing may be written for a rejected config"
+
+
+# the flags of `jaxpar schedule` and `jaxpar launch` -> the whole sentence
+BAD_FLAGS = {
+    "unknown schedule": (["schedule", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"],
+                         "--schedule must be one of gpipe, 1f1b, interleaved, 2bw, got 'zigzag'."),
+    "no stages": (["schedule", "--schedule", "gpipe", "--stages", "0", "--microbatches", "8"],
+                  "--stages, --microbatches and --virtual must be positive."),
+    "virtual without interleaving": (["schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
+                                      "--virtual", "2"], "--virtual 2 needs --schedule interleaved."),
+    "interleaved microbatches": (["schedule", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6",
+                                  "--virtual", "2"],
+                                 "interleaved 1F1B needs --microbatches to be a multiple of --stages (4)."),
+    "no processes": (["launch", "--processes", "0", "--", "train"], "--processes must be positive, got 0."),
+    "no devices per process": (["launch", "--processes", "2", "--devices-per-process", "0", "--", "train"],
+                               "--devices-per-process must be positive, got 0."),
+    "nothing to launch": (["launch", "--processes", "2"], "give the jaxpar command to run after '--', e.g. "
+                                                         "'jaxpar launch --processes 2 -- train mesh.tensor=4'."),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_bad_schedule_or_launch_flags_exit_2_with_one_sentence(case, capsys):
+    args, sentence = BAD_FLAGS[case]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == f"jaxpar: error: {sentence}"
 
 
 def test_console_script_error_has_no_traceback(tmp_path):

@@ -1,6 +1,11 @@
-"""Runtime defaults that depend on the host: XLA's recommended GPU flags."""
+"""Runtime defaults that depend on the host (XLA's recommended GPU flags), and run.devices against the
+devices found."""
+
+import pytest
 
 from jaxpar import runtime
+from jaxpar.config import ConfigError
+from jaxpar.validation import check_device_count
 
 
 def test_gpu_host_gets_the_latency_hiding_scheduler_unless_the_user_set_xla_flags(monkeypatch):
@@ -18,3 +23,12 @@ def test_no_gpu_flags_without_a_gpu_plugin(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     runtime._default_gpu_flags()
     assert "XLA_FLAGS" not in runtime.os.environ
+
+
+def test_a_multi_process_run_uses_every_device_it_finds():
+    check_device_count(None, 16, "cpu", processes=2)
+    check_device_count(16, 16, "cpu", processes=2)
+    with pytest.raises(ConfigError, match=r"^run.devices=8 but a multi-process run uses all 16 devices of its 2 "
+                                          r"processes; leave run.devices=auto.$"):
+        check_device_count(8, 16, "cpu", processes=2)
+    check_device_count(8, 16, "gpu", processes=1)  # one process may take fewer
