@@ -117,37 +117,47 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(args.processes, command, args.devices_per_process, args.grace, args.verbose)
 
 
+SETTINGS_HELP = "an optional CONFIG.yaml followed by key=value overrides (e.g. mesh.tensor=2)"
+
+
+def _add_command(sub, name: str, run, help: str, reads_config: bool = False, **options) -> argparse.ArgumentParser:
+    """The subcommand `name`, which `run`s; one that reads a config takes its settings as arguments."""
+    p = sub.add_parser(name, help=help, **options)
+    if reads_config:
+        p.add_argument("settings", nargs="*", help=SETTINGS_HELP)
+    p.set_defaults(run=run)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for all subcommands."""
+    from jaxpar.launch import DEFAULT_GRACE_S
+    from jaxpar.validation import LAUNCHABLE_COMMANDS
+
     parser = argparse.ArgumentParser(prog="jaxpar", description="Train transformer LMs across many devices with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
-    settings_help = "an optional CONFIG.yaml followed by key=value overrides (e.g. mesh.tensor=2)"
-    p = sub.add_parser("train", help="train a model and write metrics, summary, plot and a sample")
-    p.add_argument("settings", nargs="*", help=settings_help)
+    p = _add_command(sub, "train", cmd_train, "train a model and write metrics, summary, plot and a sample",
+                     reads_config=True)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.set_defaults(run=cmd_train)
-    p = sub.add_parser("plan", help="compile the step and report per-device memory, FLOPs and collectives")
-    p.add_argument("settings", nargs="*", help=settings_help)
-    p.set_defaults(run=cmd_plan)
-    p = sub.add_parser("schedule", help="draw a pipeline schedule and print its idle fraction")
+    _add_command(sub, "plan", cmd_plan, "compile the step and report per-device memory, FLOPs and collectives",
+                 reads_config=True)
+    p = _add_command(sub, "schedule", cmd_schedule, "draw a pipeline schedule and print its idle fraction")
     p.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved or 2bw")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
     p.add_argument("--microbatches", type=int, required=True, help="microbatches M per step")
     p.add_argument("--virtual", type=int, default=1, help="chunks per device v (interleaved)")
     p.add_argument("--out", help="write the Gantt chart to this PNG")
-    p.set_defaults(run=cmd_schedule)
-    p = sub.add_parser("verify", help="compare a layout against the single-device reference")
-    p.add_argument("settings", nargs="*", help=settings_help)
-    p.set_defaults(run=cmd_verify)
-    p = sub.add_parser("launch", help="run a jaxpar command as N local processes of one distributed run",
-                       usage="jaxpar launch --processes N [--devices-per-process K] -- train|verify|plan ...")
+    _add_command(sub, "verify", cmd_verify, "compare a layout against the single-device reference", reads_config=True)
+    p = _add_command(sub, "launch", cmd_launch, "run a jaxpar command as N local processes of one distributed run",
+                     usage=f"jaxpar launch --processes N [--devices-per-process K] -- "
+                           f"{'|'.join(LAUNCHABLE_COMMANDS)} ...")
     p.add_argument("--processes", type=int, required=True, help="number of processes N")
     p.add_argument("--devices-per-process", type=int, help="devices per process K (emulated CPU devices, or GPUs)")
-    p.add_argument("--grace", type=float, default=60.0,
-                   help="seconds the others get to stop by themselves after one process fails (default 60)")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                   help=f"seconds the others get to stop by themselves after one process fails "
+                        f"(default {DEFAULT_GRACE_S:g})")
     p.add_argument("--verbose", action="store_true", help="also show the JAX runtime's own log lines")
     p.add_argument("command_args", nargs=argparse.REMAINDER, help="-- then the jaxpar command and its settings")
-    p.set_defaults(run=cmd_launch)
     return parser
 
 

@@ -161,8 +161,13 @@ class Config:
         return _as_dict(self)
 
 
+def _key(field: dataclasses.Field) -> str:
+    """The config key of a dataclass field: its name, unless it names another (`async_` is the key `async`)."""
+    return field.metadata.get("key", field.name)
+
+
 def _as_dict(obj) -> dict:
-    return {f.metadata.get("key", f.name): _as_dict(v) if dataclasses.is_dataclass(v := getattr(obj, f.name)) else v
+    return {_key(f): _as_dict(v) if dataclasses.is_dataclass(v := getattr(obj, f.name)) else v
             for f in dataclasses.fields(obj)}
 
 
@@ -171,15 +176,14 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def _fields(cls) -> dict[str, type]:
-    """Config key -> resolved type annotation, in declaration order (a field may name its key,
-    e.g. `async_` is the key `async`)."""
+    """Config key -> resolved type annotation, in declaration order."""
     hints = typing.get_type_hints(cls)
-    return {f.metadata.get("key", f.name): hints[f.name] for f in dataclasses.fields(cls)}
+    return {_key(f): hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def _field_name(cls, key: str) -> str:
     """The dataclass field behind a config key."""
-    return next(f.name for f in dataclasses.fields(cls) if f.metadata.get("key", f.name) == key)
+    return next(f.name for f in dataclasses.fields(cls) if _key(f) == key)
 
 
 def _leaf_types(cls, prefix: str = "") -> dict[str, type]:

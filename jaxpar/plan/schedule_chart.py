@@ -4,7 +4,6 @@ microbatch, bubbles left blank."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from jaxpar.parallel.schedules import Table, theoretical_idle_fraction
@@ -28,14 +27,12 @@ def text_chart(table: Table) -> str:
 
 def draw(table: Table, path: str | Path) -> None:
     """Write the Gantt chart PNG (atomically: a temporary file, then rename)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    from jaxpar.train.report import pyplot, save_png
+
     ticks = len(table.ticks)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5), 0.55 * table.stages + 1.6), dpi=110)
+    fig, ax = pyplot().subplots(figsize=(max(6.0, 0.32 * ticks + 1.5), 0.55 * table.stages + 1.6), dpi=110)
     for t, row in enumerate(table.ticks):
         for s, action in enumerate(row):
             if action is None:
@@ -58,10 +55,7 @@ def draw(table: Table, path: str | Path) -> None:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_png(fig, path)
 
 
 def summary(table: Table) -> dict:

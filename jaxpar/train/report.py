@@ -26,28 +26,44 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def write_jsonl_atomic(path: Path, records: list[dict]) -> None:
-    """Replace a .jsonl file with `records` via a temporary file and rename."""
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_jsonl_atomic(path: Path, records: list[dict]) -> None:
+    """Replace a .jsonl file with `records` (atomically)."""
+    _write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    """Write JSON via a temporary file and rename, so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    """Write JSON atomically."""
+    _write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def plot_loss(records: list[dict], val_loss: float | None, path: Path) -> None:
-    """Training loss against step (with the final validation loss marked) as a PNG."""
+def pyplot():
+    """matplotlib.pyplot drawing off screen (imported on first use: only runs that plot pay for it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    return plt
+
+
+def save_png(fig, path: Path) -> None:
+    """Write a figure as a PNG via a temporary file and rename, and close it."""
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp)
+    pyplot().close(fig)
+    os.replace(tmp, path)
+
+
+def plot_loss(records: list[dict], val_loss: float | None, path: Path) -> None:
+    """Training loss against step (with the final validation loss marked) as a PNG."""
+    fig, ax = pyplot().subplots(figsize=(7, 4), dpi=100)
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
     if val_loss is not None and records:
         ax.scatter([records[-1]["step"]], [val_loss], color="C3", zorder=3, label=f"validation {val_loss:.3f}")
@@ -56,7 +72,4 @@ def plot_loss(records: list[dict], val_loss: float | None, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_png(fig, path)
