@@ -214,14 +214,20 @@ def test_plan_across_two_processes_prints_its_table_once():
     assert len(reports) == 1 and reports[0]["flops"] > 0
 
 
+def _children_run(script: str, tmp_path: Path, monkeypatch) -> None:
+    """Make `jaxpar launch` start the shell `script` in place of `python -m jaxpar ...`."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n" + script)
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+
+
 def test_launch_kills_the_others_a_grace_period_after_one_process_fails(tmp_path, monkeypatch, capsys):
     from jaxpar.cli import main
 
     # Stands in for `python -m jaxpar train`: process 1 fails at once, process 0 would run for a minute.
-    fake = tmp_path / "python"
-    fake.write_text('#!/bin/sh\nif [ "$JAXPAR_PROCESS_ID" = 1 ]; then echo failed >&2; exit 5; fi\nexec sleep 60\n')
-    fake.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(fake))
+    _children_run('if [ "$JAXPAR_PROCESS_ID" = 1 ]; then echo failed >&2; exit 5; fi\nexec sleep 60\n', tmp_path,
+                  monkeypatch)
     started = time.monotonic()
     code = main(["launch", "--processes", "2", "--grace", "1", "--", "train"])
     elapsed = time.monotonic() - started
@@ -236,10 +242,8 @@ def test_launch_hides_interleaved_gloo_lines_and_the_empty_line_they_leave(tmp_p
     from jaxpar.cli import main
 
     # Gloo's threads share stdout: two messages can arrive as one line and then an empty one.
-    fake = tmp_path / "python"
-    fake.write_text('#!/bin/sh\nprintf "[Gloo] Rank 0 is connected[Gloo] Rank 2 is connected\\n\\n{}\\n\\nend\\n"\n')
-    fake.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(fake))
+    _children_run('printf "[Gloo] Rank 0 is connected[Gloo] Rank 2 is connected\\n\\n{}\\n\\nend\\n"\n', tmp_path,
+                  monkeypatch)
     assert main(["launch", "--processes", "1", "--", "verify"]) == 0
     assert capsys.readouterr().out.splitlines() == ["[0] {}", "[0] ", "[0] end"]  # the program's own blank line stays
 
