@@ -34,6 +34,28 @@ class Session:
         return (BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed),
                 BatchSampler(val_tokens, m.seq_len, t.batch_size, t.seed))
 
+    def mesh_name(self) -> str:
+        """The mesh axes of size > 1, such as 'data=4 tensor=2' ('single device' when none)."""
+        return " ".join(f"{axis}={size}" for axis, size in self.mesh_sizes.items() if size > 1) or "single device"
+
+    def layout_name(self) -> str:
+        """The whole layout, such as 'data=4 tensor=2 grad_accum=2 bf16'."""
+        t, parallel = self.cfg.train, self.cfg.parallel
+        parts = [self.mesh_name()]
+        if self.mesh_sizes["stage"] > 1:
+            pipe = parallel.pipeline
+            parts.append(f"{pipe.schedule} M={pipe.microbatches}" + (f" v={pipe.virtual}" if pipe.virtual > 1 else ""))
+        if parallel.zero:
+            parts.append(f"zero={parallel.zero}")
+        if t.grad_accum > 1:
+            parts.append(f"grad_accum={t.grad_accum}")
+        if t.remat != "none":
+            parts.append(f"remat={t.remat}")
+        if t.optimizer != "adamw":
+            parts.append(t.optimizer)
+        parts.append(t.precision)
+        return " ".join(parts)
+
     @property
     def train_data(self) -> BatchSampler:
         return self._samplers[0]

@@ -12,7 +12,7 @@ from flax import nnx
 from jaxpar.config import load_config
 from jaxpar.data import BatchSampler, load_tokens
 from jaxpar.model import Transformer
-from jaxpar.train.step import objective
+from jaxpar.train.step import objective, row_keys
 
 # Two layers, both MoE (every=1), four groups of 32 tokens per batch.
 TINY_MOE = ("model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=2", "model.seq_len=32",
@@ -36,7 +36,8 @@ def objective_of():
 
         def run(key, z_weight, graphdef=graphdef, params=params, cfg=cfg):
             moe = dataclasses.replace(cfg.model.moe, z_loss_weight=z_weight)
-            return objective(graphdef, params, tokens, cfg.train, moe, key)
+            rows = row_keys(key, tokens.shape[0])  # the step's per-row noise keys
+            return objective(nnx.merge(graphdef, params), tokens, rows, cfg.train, moe)
 
         jitted = jax.jit(run)
         fns[noise] = lambda key, z_weight=0.0, jitted=jitted: jax.tree.map(

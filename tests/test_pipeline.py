@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from jaxpar.parallel.pipeline import stash_size
-from jaxpar.parallel.schedules import Action, build, theoretical_idle_fraction
+from jaxpar.parallel.schedules import Action, build, stash_size, theoretical_idle_fraction
 from jaxpar.train import verify as verify_module
 from jaxpar.train.verify import verify
 

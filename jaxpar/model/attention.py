@@ -19,7 +19,8 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         D, H = cfg.d_model, cfg.n_heads
         K = D // H
-        # Q, K and V fused in one weight: one matmul, and in backward one all-reduce of dx.
+        # Q, K and V fused in one weight (its Q dimension: the q/k/v slot): one matmul, and in backward
+        # one all-reduce of dx.
         self.w_qkv = param(rngs.params(), (D, 3, H, K), ("embed", None, "heads", "kv"), D ** -0.5)
         # GPT-2 style: residual projections scaled down with depth.
         self.wo = param(rngs.params(), (H, K, D), ("heads", "kv", "embed"), D ** -0.5 / math.sqrt(2 * cfg.n_layers))
@@ -27,14 +28,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         names = ("batch", "seq", "heads", "kv")
-        qkv_BL3HK = jnp.einsum("BLD,DTHK->BLTHK", x_BLD, self.w_qkv[...])
-        q_BLHK, k_BLHK, v_BLHK = (constrain(qkv_BL3HK[:, :, i], names) for i in range(3))
+        qkv_BLQHK = jnp.einsum("BLD,DQHK->BLQHK", x_BLD, self.w_qkv[...])
+        q_BLHK, k_BLHK, v_BLHK = (constrain(qkv_BLQHK[:, :, i], names) for i in range(3))
         if self.use_rope:
             q_BLHK, k_BLHK = rotary(q_BLHK), rotary(k_BLHK)
         L, K = x_BLD.shape[1], q_BLHK.shape[-1]
-        logits_BHLM = jnp.einsum("BLHK,BMHK->BHLM", q_BLHK, k_BLHK).astype(jnp.float32) / math.sqrt(K)
-        causal_LM = jnp.tril(jnp.ones((L, L), dtype=bool))
-        logits_BHLM = jnp.where(causal_LM, logits_BHLM, jnp.finfo(jnp.float32).min)
-        probs_BHLM = jax.nn.softmax(logits_BHLM, axis=-1).astype(x_BLD.dtype)
-        out_BLHK = constrain(jnp.einsum("BHLM,BMHK->BLHK", probs_BHLM, v_BLHK), names)
+        logits_BHLP = jnp.einsum("BLHK,BPHK->BHLP", q_BLHK, k_BLHK).astype(jnp.float32) / math.sqrt(K)
+        causal_LP = jnp.tril(jnp.ones((L, L), dtype=bool))
+        logits_BHLP = jnp.where(causal_LP, logits_BHLP, jnp.finfo(jnp.float32).min)
+        probs_BHLP = jax.nn.softmax(logits_BHLP, axis=-1).astype(x_BLD.dtype)
+        out_BLHK = constrain(jnp.einsum("BHLP,BPHK->BLHK", probs_BHLP, v_BLHK), names)
         return constrain(jnp.einsum("BLHK,HKD->BLD", out_BLHK, self.wo[...]), ("batch", "seq", "embed"))

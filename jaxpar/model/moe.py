@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model import routers
-from jaxpar.model.axes import batch_shard_index, constrain, expert_all_to_all, param
+from jaxpar.model.axes import constrain, expert_all_to_all, param
 
 
 class MoE(nnx.Module):
@@ -33,44 +33,45 @@ class MoE(nnx.Module):
         self.w_up = param(rngs.params(), (E, D, F), ("expert", "embed", "mlp"), D ** -0.5)
         self.w_down = param(rngs.params(), (E, F, D), ("expert", "mlp", "embed"), F ** -0.5 / math.sqrt(2 * cfg.n_layers))
 
-    def __call__(self, x_BLD: jax.Array, noise_key: jax.Array | None = None):
+    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None):
+        """noise_B: a PRNG key per batch row for noisy top-k (training), None for no noise."""
         if self.group_size <= 0:
             raise ValueError("model.moe.group_size=0 (automatic) must be resolved for the mesh before the model "
                              "runs: see jaxpar.validation.with_derived")
         B, L, D = x_BLD.shape
         # Training batches hold whole groups (validated); a shorter input (generating one
         # sequence) is routed as one group per sequence.
-        S = self.group_size if (B * L) % self.group_size == 0 else L
-        x_GSD = x_BLD.reshape(B * L // S, S, D)
-        G = x_GSD.shape[0]
-        x32_GSD = x_GSD.astype(jnp.float32)
-        logits_GSE = jnp.einsum("GSD,DE->GSE", x32_GSD, self.w_router[...].astype(jnp.float32))
-        E = logits_GSE.shape[-1]
-        C = routers.capacity(self.router, S, E, self.top_k, self.capacity_factor)
+        N = self.group_size if (B * L) % self.group_size == 0 else L
+        x_GND = x_BLD.reshape(B * L // N, N, D)
+        G = x_GND.shape[0]
+        x32_GND = x_GND.astype(jnp.float32)
+        logits_GNE = jnp.einsum("GND,DE->GNE", x32_GND, self.w_router[...].astype(jnp.float32))
+        E = logits_GNE.shape[-1]
+        C = routers.capacity(self.router, N, E, self.top_k, self.capacity_factor)
         if self.router == "switch":
-            dispatch, combine, balance, dropped = routers.switch(logits_GSE, C)
+            dispatch, combine, balance, dropped = routers.switch(logits_GNE, C)
         elif self.router == "expert_choice":
-            dispatch, combine, balance, dropped = routers.expert_choice(logits_GSE, C)
+            dispatch, combine, balance, dropped = routers.expert_choice(logits_GNE, C)
         else:
-            noise_GSE = noise_scale_GSE = None
-            if self.noise and noise_key is not None:
-                # Noise keyed by the group's index in the whole batch: the same on any mesh.
-                groups = batch_shard_index() * G + jnp.arange(G)
-                noise_GSE = jax.vmap(lambda g: jax.random.normal(jax.random.fold_in(noise_key, g), (S, E)))(groups)
-                noise_scale_GSE = jnp.einsum("GSD,DE->GSE", x32_GSD, self.w_noise[...].astype(jnp.float32))
-            dispatch, combine, balance, dropped = routers.noisy_topk(logits_GSE, noise_scale_GSE, noise_GSE,
+            noise_GNE = noise_scale_GNE = None
+            if self.noise and noise_B is not None:
+                # Noise keyed by the row (each row's key is its own): the same on any mesh.
+                noise_BLE = jax.vmap(lambda key: jax.random.normal(key, (L, E)))(noise_B)
+                noise_GNE = noise_BLE.reshape(G, N, E)
+                noise_scale_GNE = jnp.einsum("GND,DE->GNE", x32_GND, self.w_noise[...].astype(jnp.float32))
+            dispatch, combine, balance, dropped = routers.noisy_topk(logits_GNE, noise_scale_GNE, noise_GNE,
                                                                      self.top_k, C)
         dtype = x_BLD.dtype
-        x_EGCD = jnp.einsum("GSEC,GSD->EGCD", dispatch.astype(dtype), x_GSD)
+        x_EGCD = jnp.einsum("GNEC,GND->EGCD", dispatch.astype(dtype), x_GND)
         x_EGCD = expert_all_to_all(x_EGCD, inverse=False)  # local experts, every shard's groups
         h_EGCF = jax.nn.gelu(jnp.einsum("EGCD,EDF->EGCF", x_EGCD, self.w_up[...]))
         y_EGCD = jnp.einsum("EGCF,EFD->EGCD", h_EGCF, self.w_down[...])
         y_EGCD = expert_all_to_all(y_EGCD, inverse=True)  # back to the shard that owns the groups
-        y_GSD = jnp.einsum("GSEC,EGCD->GSD", combine.astype(dtype), y_EGCD)
+        y_GND = jnp.einsum("GNEC,EGCD->GND", combine.astype(dtype), y_EGCD)
         tokens_E = jnp.sum(dispatch, axis=(0, 1, 3))
         # The share of tokens no expert took (the residual alone carries them), from the dispatch itself.
         unrouted = jnp.mean((jnp.sum(dispatch, axis=(2, 3)) == 0).astype(jnp.float32))
-        stats = {"aux": balance, "z": routers.z_loss(logits_GSE), "unrouted": unrouted, "expert_tokens": tokens_E}
+        stats = {"aux": balance, "z": routers.z_loss(logits_GNE), "unrouted": unrouted, "expert_tokens": tokens_E}
         if dropped is not None:
             stats["dropped"] = dropped
-        return constrain(y_GSD.reshape(B, L, D), ("batch", "seq", "embed")), stats
+        return constrain(y_GND.reshape(B, L, D), ("batch", "seq", "embed")), stats

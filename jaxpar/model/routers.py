@@ -1,11 +1,11 @@
 """Mixture-of-experts routers: which tokens of a routing group go to which expert slot.
 
-Every router maps router logits (G groups, S tokens, E experts) to
-  dispatch (G, S, E, C): 1 where token s fills slot c of expert e,
-  combine  (G, S, E, C): dispatch times the token's gate weight,
+Every router maps router logits (G groups, N tokens, E experts) to
+  dispatch (G, N, E, C): 1 where token n fills slot c of expert e,
+  combine  (G, N, E, C): dispatch times the token's gate weight,
 the balance loss, and the share of assignments dropped for lack of capacity (None for
 Expert Choice, which never overflows). Balance losses are computed per
-routing group and averaged, so they do not depend on how groups are spread over devices. Shape legend: G groups, S tokens
+routing group and averaged, so they do not depend on how groups are spread over devices. Shape legend: G groups, N tokens
 per group, E experts, C capacity (slots per expert per group), K top-k.
 """
 
@@ -24,28 +24,28 @@ def capacity(router: str, group_size: int, experts: int, top_k: int, capacity_fa
     return max(1, int(math.ceil(capacity_factor * assignments / experts)))
 
 
-def _positions_in_expert(mask_GSE: jax.Array, already_G1E: jax.Array) -> jax.Array:
+def _positions_in_expert(mask_GNE: jax.Array, already_G1E: jax.Array) -> jax.Array:
     """Slot index each (token, expert) assignment would take: tokens fill in order."""
-    return jnp.cumsum(mask_GSE, axis=1) - mask_GSE + already_G1E
+    return jnp.cumsum(mask_GNE, axis=1) - mask_GNE + already_G1E
 
 
-def _dispatch_from_choices(choices_GSK, gates_GSK, E: int, C: int):
+def _dispatch_from_choices(choices_GNK, gates_GNK, E: int, C: int):
     """Fill expert slots choice by choice (all first choices before second choices), dropping overflow."""
-    G, S, K = choices_GSK.shape
-    dispatch = jnp.zeros((G, S, E, C), jnp.float32)
-    combine = jnp.zeros((G, S, E, C), jnp.float32)
+    G, N, K = choices_GNK.shape
+    dispatch = jnp.zeros((G, N, E, C), jnp.float32)
+    combine = jnp.zeros((G, N, E, C), jnp.float32)
     filled_G1E = jnp.zeros((G, 1, E), jnp.float32)
     kept = jnp.zeros((), jnp.float32)
     for k in range(K):
-        mask_GSE = jax.nn.one_hot(choices_GSK[..., k], E, dtype=jnp.float32)
-        position_GSE = _positions_in_expert(mask_GSE, filled_G1E)
-        mask_GSE = mask_GSE * (position_GSE < C)
-        slot_GSEC = jax.nn.one_hot(position_GSE.astype(jnp.int32), C, dtype=jnp.float32) * mask_GSE[..., None]
-        dispatch = dispatch + slot_GSEC
-        combine = combine + slot_GSEC * gates_GSK[..., k, None, None]
-        filled_G1E = filled_G1E + jnp.sum(mask_GSE, axis=1, keepdims=True)
-        kept = kept + jnp.sum(mask_GSE)
-    dropped = 1.0 - kept / (G * S * K)
+        mask_GNE = jax.nn.one_hot(choices_GNK[..., k], E, dtype=jnp.float32)
+        position_GNE = _positions_in_expert(mask_GNE, filled_G1E)
+        mask_GNE = mask_GNE * (position_GNE < C)
+        slot_GNEC = jax.nn.one_hot(position_GNE.astype(jnp.int32), C, dtype=jnp.float32) * mask_GNE[..., None]
+        dispatch = dispatch + slot_GNEC
+        combine = combine + slot_GNEC * gates_GNK[..., k, None, None]
+        filled_G1E = filled_G1E + jnp.sum(mask_GNE, axis=1, keepdims=True)
+        kept = kept + jnp.sum(mask_GNE)
+    dropped = 1.0 - kept / (G * N * K)
     return dispatch, combine, dropped
 
 
@@ -54,41 +54,41 @@ def _cv_squared(x_GE: jax.Array) -> jax.Array:
     return jnp.mean(jnp.var(x_GE, axis=-1) / (jnp.mean(x_GE, axis=-1) ** 2 + 1e-10))
 
 
-def switch(logits_GSE: jax.Array, C: int):
+def switch(logits_GNE: jax.Array, C: int):
     """Switch Transformer top-1: capacity C per expert, overflow dropped (the residual carries it).
     Load-balancing loss E * sum_i f_i * P_i (f: fraction routed, P: mean router probability)."""
-    E = logits_GSE.shape[-1]
-    probs_GSE = jax.nn.softmax(logits_GSE, axis=-1)
-    choice_GS1 = jnp.argmax(probs_GSE, axis=-1)[..., None]
-    gate_GS1 = jnp.take_along_axis(probs_GSE, choice_GS1, axis=-1)
-    dispatch, combine, dropped = _dispatch_from_choices(choice_GS1, gate_GS1, E, C)
-    fraction_GE = jnp.mean(jax.nn.one_hot(choice_GS1[..., 0], E), axis=1)
-    balance = E * jnp.mean(jnp.sum(fraction_GE * jnp.mean(probs_GSE, axis=1), axis=-1))
+    E = logits_GNE.shape[-1]
+    probs_GNE = jax.nn.softmax(logits_GNE, axis=-1)
+    choice_GN1 = jnp.argmax(probs_GNE, axis=-1)[..., None]
+    gate_GN1 = jnp.take_along_axis(probs_GNE, choice_GN1, axis=-1)
+    dispatch, combine, dropped = _dispatch_from_choices(choice_GN1, gate_GN1, E, C)
+    fraction_GE = jnp.mean(jax.nn.one_hot(choice_GN1[..., 0], E), axis=1)
+    balance = E * jnp.mean(jnp.sum(fraction_GE * jnp.mean(probs_GNE, axis=1), axis=-1))
     return dispatch, combine, balance, dropped
 
 
-def noisy_topk(logits_GSE: jax.Array, noise_scale_GSE: jax.Array | None, noise_GSE: jax.Array | None,
+def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_GNE: jax.Array | None,
                k: int, C: int):
     """Noisy top-k gating (Shazeer et al. 2017): H = logits + N(0,1) * softplus(noise logits); keep
     the top k of H, softmax over them. Auxiliary loss: CV^2 of importance (sum of gates) plus
     CV^2 of load (the smooth probability of each expert being in the top k)."""
-    E = logits_GSE.shape[-1]
-    noisy_GSE = logits_GSE
-    if noise_GSE is not None:
-        stddev_GSE = jax.nn.softplus(noise_scale_GSE) + 1e-2
-        noisy_GSE = logits_GSE + noise_GSE * stddev_GSE
-    top_GSK, choices_GSK = jax.lax.top_k(noisy_GSE, k)
-    gates_GSK = jax.nn.softmax(top_GSK, axis=-1)
-    dispatch, combine, dropped = _dispatch_from_choices(choices_GSK, gates_GSK, E, C)
+    E = logits_GNE.shape[-1]
+    noisy_GNE = logits_GNE
+    if noise_GNE is not None:
+        stddev_GNE = jax.nn.softplus(noise_scale_GNE) + 1e-2
+        noisy_GNE = logits_GNE + noise_GNE * stddev_GNE
+    top_GNK, choices_GNK = jax.lax.top_k(noisy_GNE, k)
+    gates_GNK = jax.nn.softmax(top_GNK, axis=-1)
+    dispatch, combine, dropped = _dispatch_from_choices(choices_GNK, gates_GNK, E, C)
     importance_GE = jnp.sum(combine, axis=(1, 3))
-    if noise_GSE is not None and k < E:
+    if noise_GNE is not None and k < E:
         # P(expert e stays in the top k if its noise were redrawn): the paper's smooth load estimator
-        top_k1_GSK = jax.lax.top_k(noisy_GSE, k + 1)[0]
-        in_top_GSE = noisy_GSE >= top_k1_GSK[..., k - 1:k]
-        threshold_GSE = jnp.where(in_top_GSE, top_k1_GSK[..., k:k + 1], top_k1_GSK[..., k - 1:k])
-        load_GE = jnp.sum(norm.cdf((logits_GSE - threshold_GSE) / stddev_GSE), axis=1)
+        top_k1_GNK = jax.lax.top_k(noisy_GNE, k + 1)[0]
+        in_top_GNE = noisy_GNE >= top_k1_GNK[..., k - 1:k]
+        threshold_GNE = jnp.where(in_top_GNE, top_k1_GNK[..., k:k + 1], top_k1_GNK[..., k - 1:k])
+        load_GE = jnp.sum(norm.cdf((logits_GNE - threshold_GNE) / stddev_GNE), axis=1)
     else:
-        load_GE = jnp.sum(jax.nn.one_hot(choices_GSK, E), axis=(1, 2))
+        load_GE = jnp.sum(jax.nn.one_hot(choices_GNK, E), axis=(1, 2))
     return dispatch, combine, _cv_squared(importance_GE) + _cv_squared(load_GE), dropped
 
 
@@ -105,20 +105,20 @@ def selection_key(probs: jax.Array) -> jax.Array:
     return probs.astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def expert_choice(logits_GSE: jax.Array, C: int):
+def expert_choice(logits_GNE: jax.Array, C: int):
     """Expert Choice: each expert takes its top-C tokens of the group, so every expert is exactly
     full and nothing overflows (a token may be taken by several experts or by none; the
     caller measures the unrouted share from the dispatch). It looks at the whole group, so
     it is not causal. Gates are the exact probabilities of the chosen tokens."""
-    probs_GES = jnp.swapaxes(jax.nn.softmax(logits_GSE, axis=-1), 1, 2)
-    _, tokens_GEC = jax.lax.top_k(selection_key(probs_GES), C)
-    gates_GEC = jnp.take_along_axis(probs_GES, tokens_GEC, axis=-1)
-    S = logits_GSE.shape[1]
-    dispatch_GSEC = jnp.transpose(jax.nn.one_hot(tokens_GEC, S, dtype=jnp.float32), (0, 3, 1, 2))
-    combine_GSEC = dispatch_GSEC * gates_GEC[:, None, :, :]
-    return dispatch_GSEC, combine_GSEC, jnp.zeros((), jnp.float32), None
+    probs_GEN = jnp.swapaxes(jax.nn.softmax(logits_GNE, axis=-1), 1, 2)
+    _, tokens_GEC = jax.lax.top_k(selection_key(probs_GEN), C)
+    gates_GEC = jnp.take_along_axis(probs_GEN, tokens_GEC, axis=-1)
+    N = logits_GNE.shape[1]
+    dispatch_GNEC = jnp.transpose(jax.nn.one_hot(tokens_GEC, N, dtype=jnp.float32), (0, 3, 1, 2))
+    combine_GNEC = dispatch_GNEC * gates_GEC[:, None, :, :]
+    return dispatch_GNEC, combine_GNEC, jnp.zeros((), jnp.float32), None
 
 
-def z_loss(logits_GSE: jax.Array) -> jax.Array:
+def z_loss(logits_GNE: jax.Array) -> jax.Array:
     """Router z-loss (ST-MoE): mean squared log-partition, keeps router logits small."""
-    return jnp.mean(jax.nn.logsumexp(logits_GSE, axis=-1) ** 2)
+    return jnp.mean(jax.nn.logsumexp(logits_GNE, axis=-1) ** 2)

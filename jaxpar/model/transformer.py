@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.attention import Attention
-from jaxpar.model.axes import constrain, layer_weights, layer_weights_policy, param
+from jaxpar.model.axes import constrain, param
 from jaxpar.model.layers import RMSNorm
 from jaxpar.model.mlp import MLP
 from jaxpar.model.moe import MoE
@@ -26,10 +28,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BLD: jax.Array, noise_key: jax.Array | None = None):
+    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None):
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
         if isinstance(self.mlp, MoE):
-            y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), noise_key)
+            y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), noise_B)
             return x_BLD + y_BLD, stats
         return x_BLD + self.mlp(self.mlp_norm(x_BLD)), {}
 
@@ -41,10 +43,10 @@ class MoEUnit(nnx.Module):
         every = cfg.moe.every
         self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=i == every - 1) for i in range(every)])
 
-    def __call__(self, x_BLD: jax.Array, noise_key: jax.Array | None = None):
+    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None):
         stats = {}
         for block in self.blocks:
-            x_BLD, block_stats = block(x_BLD, noise_key)
+            x_BLD, block_stats = block(x_BLD, noise_B)
             stats = block_stats or stats
         return x_BLD, stats
 
@@ -54,6 +56,10 @@ class Transformer(nnx.Module):
 
     Call with int tokens (B, L); returns logits (B, L, V) in the parameters' dtype.
     """
+
+    # Where the stacked layers live in the parameter state: a layer's weights inside the layer
+    # scan are the slices of the weights below this path.
+    STACKED_AT = ("blocks",)
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         V, D = cfg.vocab_size, cfg.d_model
@@ -73,8 +79,12 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(D)
         self.head = None if cfg.tie_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), D ** -0.5)
 
-    def __call__(self, tokens_BL: jax.Array, remat: str = "none") -> jax.Array:
-        return self.logits(self.run_blocks(self.embed(tokens_BL), remat)[0])
+    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+        return self.logits(self.run_blocks(self.embed(tokens_BL))[0])
+
+    def stacked_layers(self) -> int:
+        """How many layers are stacked (scanned units: blocks, or MoE units of moe.every blocks)."""
+        return stacked_layers(nnx.state(self.blocks))
 
     def embed(self, tokens_BL: jax.Array) -> jax.Array:
         """Token (and learned position) embedding: (B, L) ints -> (B, L, D)."""
@@ -92,68 +102,38 @@ class Transformer(nnx.Module):
             logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.head[...])
         return constrain(logits_BLV, ("batch", "seq", "vocab"))
 
-    def run_blocks(self, x_BLD: jax.Array, remat: str = "none", noise_key: jax.Array | None = None):
-        """Scan the stacked blocks so compile time does not grow with depth; returns the output
-        and per-layer routing statistics stacked on a leading axis ({} for a dense model).
-        `noise_key` (training only) drives noisy top-k routing, folded with the layer index.
+    def run_blocks(self, x_BLD: jax.Array, scan: LayerScan | None = None, layer_ids: jax.Array | None = None,
+                   noise_B: jax.Array | None = None):
+        """Run the stacked blocks; returns the output and per-layer routing statistics stacked on
+        a leading axis ({} for a dense model).
 
-        remat: 'none' keeps every activation for backward; 'full' keeps only each layer's
-        input and recomputes the layer; 'dots' keeps matmul outputs only; 'sqrt' splits the
-        L layers into about sqrt(L) segments (the last one shorter when they do not divide L),
-        keeps segment inputs and recomputes a whole segment in backward (a nested scan):
-        O(sqrt L) activation memory. When the layout
-        expands weights per layer (ZeRO-2/3), the expanded weights are fetched again in
-        backward rather than kept, so about one layer's full weights exist at a time.
+        scan(one_layer, x_BLD, stacked_state, layer_ids) -> (x_BLD, stats) runs
+        one_layer(x_BLD, layer_state, layer_id) -> (x_BLD, stats) over the stacked layers; the
+        default is a plain `lax.scan` (compile time does not grow with depth). The step passes its
+        own to add rematerialization and to expand sharded weights layer by layer.
+        layer_ids: each stacked layer's index in model order (default 0, 1, ...).
+        noise_B (training only): a PRNG key per batch row, folded with the layer id, for noisy
+        top-k routing: noise keyed by the row, not by the device or microbatch that holds it.
         """
         graphdef, stacked = nnx.split(self.blocks)
-        n_layers = len_layers(stacked)
+        ids = jnp.arange(stacked_layers(stacked)) if layer_ids is None else layer_ids
 
-        def one_layer(x, layer):
-            layer_state, index = layer
-            key = None if noise_key is None else jax.random.fold_in(noise_key, index)
-            return nnx.merge(graphdef, layer_weights(layer_state, index))(x, key)
+        def one_layer(x_BLD, layer_state, layer_id):
+            keys_B = None if noise_B is None else jax.vmap(lambda k: jax.random.fold_in(k, layer_id))(noise_B)
+            return nnx.merge(graphdef, layer_state)(x_BLD, keys_B)
 
-        policy = REMAT_POLICIES.get(remat) or layer_weights_policy()
-        if policy is not None:
-            one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
-        layers = (stacked, jnp.arange(n_layers))
-        if remat == "sqrt":
-            return _segmented_scan(one_layer, x_BLD, layers, sqrt_segment_size(n_layers))
-        return jax.lax.scan(one_layer, x_BLD, layers)
+        return (scan or plain_scan)(one_layer, x_BLD, stacked, ids)
 
 
-# Per-layer checkpoint policies; 'sqrt' checkpoints whole segments instead (see _segmented_scan).
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+# scan(one_layer, x_BLD, stacked_state, layer_ids) -> (x_BLD, per-layer stats): see run_blocks.
+LayerScan = Callable[[Callable, jax.Array, object, jax.Array], tuple]
 
 
-def len_layers(stacked) -> int:
+def plain_scan(one_layer: Callable, x_BLD: jax.Array, stacked, layer_ids: jax.Array):
+    """A `lax.scan` of one_layer over the stacked layers, nothing kept or redone specially."""
+    return jax.lax.scan(lambda x, layer: one_layer(x, *layer), x_BLD, (stacked, layer_ids))
+
+
+def stacked_layers(stacked) -> int:
     """Number of layers in a stacked state (its leading dimension)."""
     return jax.tree.leaves(stacked)[0].shape[0]
-
-
-def sqrt_segment_size(n_layers: int) -> int:
-    """Layers per remat segment: round(sqrt(L)), so there are about sqrt(L) segments. When it
-    does not divide L (a prime L such as 7, 11, 13), the last segment is shorter."""
-    return max(1, round(n_layers ** 0.5))
-
-
-def _segmented_scan(one_layer, x_BLD, layers, size: int):
-    """Checkpointed segments of `size` layers (only each segment's input is kept): an outer scan
-    over the full segments, each an inner scan over its layers, then a shorter last segment."""
-    n_layers = len_layers(layers)
-    full, rest = divmod(n_layers, size)
-
-    @jax.checkpoint
-    def one_segment(x, segment_layers):
-        return jax.lax.scan(one_layer, x, segment_layers)
-
-    head = jax.tree.map(lambda a: a[:full * size].reshape(full, size, *a.shape[1:]), layers)
-    x_BLD, stats = jax.lax.scan(one_segment, x_BLD, head)
-    stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats)
-    if rest:
-        x_BLD, tail_stats = one_segment(x_BLD, jax.tree.map(lambda a: a[full * size:], layers))
-        stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, tail_stats)
-    return x_BLD, stats

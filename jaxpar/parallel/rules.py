@@ -25,6 +25,12 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+def data_parallel_axes(rules: dict = RULES) -> tuple[str, ...]:
+    """The mesh axes the batch is split over: every device along them holds different rows."""
+    target = rules.get("batch")
+    return (target,) if isinstance(target, str) else tuple(target or ())
+
+
 def logical_to_spec(names: tuple[str | None, ...], rules: dict = RULES) -> PartitionSpec:
     """Translate logical names to a PartitionSpec; a mesh axis is used at most once."""
     used: set[str] = set()

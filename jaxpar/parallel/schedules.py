@@ -140,3 +140,42 @@ def storage_order(n_layers: int, stages: int, virtual: int) -> list[int]:
             chunk = local_chunk * stages + stage
             order += range(chunk * per_chunk, (chunk + 1) * per_chunk)
     return order
+
+
+def stash_size(table: Table) -> int:
+    """Fewest slots K such that slot = microbatch % K never overwrites a live input or cotangent.
+
+    A chunk's input is live from the tick its predecessor chunk's forward sent it (its own
+    forward, for chunk 0) until its backward; a cotangent from the successor's backward
+    until this chunk's backward.
+    """
+    done = {}
+    for t, row in enumerate(table.ticks):
+        for action in row:
+            if action is not None:
+                done[action] = t
+    last = table.stages * table.virtual - 1
+    spans = {"x": [], "g": []}  # (stage, local chunk, microbatch, start, end)
+    for action, t in done.items():
+        if action.kind != "B":
+            continue
+        i, k = action.microbatch, action.chunk
+        where = (k % table.stages, k // table.stages, i)
+        spans["x"].append(where + (done[Action("F", i, k - 1)] if k > 0 else done[Action("F", i, k)], t))
+        if k < last:
+            spans["g"].append(where + (done[Action("B", i, k + 1)], t))
+    for K in range(1, table.microbatches + 1):
+        if all(_no_overlap(span_list, K) for span_list in spans.values()):
+            return K
+    return table.microbatches
+
+
+def _no_overlap(spans, K: int) -> bool:
+    by_slot: dict[tuple, list[tuple[int, int]]] = {}
+    for stage, local_chunk, micro, start, end in spans:
+        by_slot.setdefault((stage, local_chunk, micro % K), []).append((start, end))
+    for intervals in by_slot.values():
+        intervals.sort()
+        if any(later[0] <= earlier[1] for earlier, later in zip(intervals, intervals[1:])):
+            return False
+    return True

@@ -11,8 +11,10 @@ import math
 
 from jax.sharding import PartitionSpec
 
-# The axes the batch is split over: every device along them holds a different slice of data.
-DATA_PARALLEL_AXES = ("data", "expert")
+from jaxpar.parallel.rules import data_parallel_axes
+
+# The axes the batch is split over (the rules table's 'batch'): ZeRO shards state over them.
+DATA_PARALLEL_AXES = data_parallel_axes()
 
 
 def _axes_of(entry) -> tuple[str, ...]:

@@ -39,8 +39,8 @@ def measure_step(trainer) -> dict:
     found = collectives(module, trainer.layout.sizes)
     flops = matmul_flops(module)
     per_stage = [flops]
-    if trainer.pipeline is not None:
-        per_stage = executed_matmul_flops(module, TICK_SCOPE, branch_counts(trainer.pipeline).tolist())
+    if trainer.pipeline.table is not None:
+        per_stage = executed_matmul_flops(module, TICK_SCOPE, branch_counts(trainer.pipeline.table).tolist())
     return {
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),

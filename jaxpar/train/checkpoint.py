@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from jaxpar import distributed
 from jaxpar.config import Config, flatten_dict
 from jaxpar.errors import RunFailed, UserError
+from jaxpar.model.axes import path_names
 from jaxpar.train.precision import LossScale
 from jaxpar.train.step import TrainState
 
@@ -64,17 +65,10 @@ class Restored:
     step: int
 
 
-def _entry_name(entry) -> str:
-    """The name of one pytree path entry (dict key, attribute or sequence index)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    raise TypeError(f"unsupported pytree path entry {entry!r}")
-
 
 def flat_by_path(tree) -> dict[str, object]:
     """{'params/blocks/attn/w_qkv/value': leaf, ...} for any pytree (TrainState, shardings, ...)."""
-    return {"/".join(_entry_name(e) for e in path): leaf
+    return {"/".join(path_names(path)): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 

@@ -70,10 +70,6 @@ def validation_loss(trainer: Trainer, params, session: Session) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
-def _layout(session: Session) -> str:
-    return " ".join(f"{axis}={size}" for axis, size in session.mesh_sizes.items() if size > 1) or "single device"
-
-
 def _primary() -> bool:
     """Process 0 writes the run's files, messages and progress bar; the others only compute."""
     return not is_secondary()
@@ -147,7 +143,7 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
         split = session.process_split
         processes = f", {jax.process_count()} processes over " + " x ".join(
             f"{axis}={n}" for axis, n in split.items() if n > 1)
-    _say(f"jaxpar: training {cfg.model.n_layers}-layer d={cfg.model.d_model} model on {_layout(session)} "
+    _say(f"jaxpar: training {cfg.model.n_layers}-layer d={cfg.model.d_model} model on {session.mesh_name()} "
          f"({len(session.devices)} {session.devices[0].platform} devices{processes}), {t.steps} steps")
 
     bar = tqdm(total=t.steps, initial=min(start, t.steps), desc="train", unit="step",
@@ -245,7 +241,7 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
         "final_loss": every_step[-1]["loss"] if every_step else None,
         "val_loss": val_loss,
         "tokens_per_s_median": statistics.median(steady) if steady else None,
-        "layout": _layout(session),
+        "layout": session.mesh_name(),
         "sample": sample,
         "config": cfg.to_dict(),
     }

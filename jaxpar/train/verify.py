@@ -18,25 +18,6 @@ TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (5e-3, 1e-2), "fp16": (5e-3, 1e-2)}
 DEFAULT_STEPS = 3
 
 
-def layout_name(session: Session) -> str:
-    """A short description such as 'data=4 tensor=2 grad_accum=2 bf16'."""
-    t = session.cfg.train
-    parts = [f"{axis}={size}" for axis, size in session.mesh_sizes.items() if size > 1]
-    if session.mesh_sizes["stage"] > 1:
-        pipe = session.cfg.parallel.pipeline
-        parts.append(f"{pipe.schedule} M={pipe.microbatches}" + (f" v={pipe.virtual}" if pipe.virtual > 1 else ""))
-    if session.cfg.parallel.zero:
-        parts.append(f"zero={session.cfg.parallel.zero}")
-    if t.grad_accum > 1:
-        parts.append(f"grad_accum={t.grad_accum}")
-    if t.remat != "none":
-        parts.append(f"remat={t.remat}")
-    if t.optimizer != "adamw":
-        parts.append(t.optimizer)
-    parts.append(t.precision)
-    return " ".join(parts)
-
-
 def reference_config(cfg):
     """The single-device, fp32, ZeRO-0, no-remat, no-accumulation version of a config."""
     return cfg.replace(**{"mesh.data": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.stage": 1,
@@ -76,7 +57,7 @@ def verify(session: Session, log=print) -> dict:
     errors = {key: _rel(np.asarray(a), np.asarray(ref[key])) for ref in [flat_by_path(ref_params)]
               for key, a in flat_by_path(params).items()}
     loss_tol, param_tol = TOLERANCES[cfg.train.precision]
-    result = {"layout": layout_name(session), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
+    result = {"layout": session.layout_name(), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
               "param_max_rel_err": max(errors.values())}
     judged = errors
     if moe_layers:

@@ -1,0 +1,78 @@
+"""Everything about a pipeline that is derived from the config, in one frozen plan: the schedule
+table, the order the stacked layers are stored in (interleaved stages hold non-contiguous
+layers), PipeDream-2BW's stale-weight rule, and whether backward recomputes; and the one entry
+point that runs the model's stage functions through the schedule.
+
+Outside this package nothing knows about stages: the trainer stores the state in
+`from_model_order` order and hands checkpoints, evaluation and verification the
+`to_model_order` view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.model.axes import is_stacked
+from jaxpar.parallel.pipeline import StageFns, gpipe_value_and_grad, one_f_one_b_value_and_grad
+from jaxpar.parallel.schedules import Table, build, storage_order
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """table: the schedule (None without a pipeline, mesh.stage = 1); storage: the model layer
+    held at each stacked position (None: model order); stale_weights: 2BW takes gradients on the
+    weights one step old (also on one device, so that verify's reference follows the same rule);
+    recompute: 1F1B-type schedules redo each forward in backward instead of keeping residuals."""
+
+    table: Table | None
+    storage: tuple[int, ...] | None
+    stacked_layers: int
+    stale_weights: bool
+    recompute: bool
+
+    @classmethod
+    def build(cls, pipe, stages: int, stacked_layers: int) -> PipelinePlan:
+        """From parallel.pipeline (`pipe`), mesh.stage and the model's number of stacked layers."""
+        table = build(pipe.schedule, stages, pipe.microbatches, pipe.virtual) if stages > 1 else None
+        order = storage_order(stacked_layers, stages, table.virtual if table else 1)
+        return cls(table, None if order == sorted(order) else tuple(order), stacked_layers,
+                   pipe.schedule == "2bw", pipe.recompute)
+
+    def to_model_order(self, tree):
+        """Stacked leaves (of params or optimizer state) from storage order back to model order."""
+        return tree if self.storage is None else _permute_layers(tree, np.argsort(self.storage))
+
+    def from_model_order(self, tree):
+        """Stacked leaves from model order to this plan's storage order."""
+        return tree if self.storage is None else _permute_layers(tree, np.asarray(self.storage))
+
+    def value_and_grad(self, fns: StageFns, params, stacked_mask, micro, axis: str = "stage"):
+        """Inside a shard_map manual over `axis`: run the microbatches `micro` ((tokens_MbT, rows_Mb),
+        as Layout.split_microbatches cuts them) through the schedule. Returns this device's
+        (share of the mean loss, sums of the layers' statistics, gradients)."""
+        local = self.stacked_layers // self.table.stages
+        stored = jnp.asarray(self.storage if self.storage is not None else range(self.stacked_layers), jnp.int32)
+        layer_ids = jax.lax.dynamic_slice_in_dim(stored, jax.lax.axis_index(axis) * local, local)
+        if self.table.schedule == "gpipe":
+            executor = gpipe_value_and_grad
+        else:
+            executor = functools.partial(one_f_one_b_value_and_grad, recompute=self.recompute)
+        return executor(fns, params, stacked_mask, micro, layer_ids, self.table, axis)
+
+
+def _permute_layers(tree, index: np.ndarray):
+    def one(v):
+        if not isinstance(v, nnx.Variable):
+            return v
+        value = v.get_value()
+        # every leaf stacked over layers: weights, Adam moments, and Adafactor's factored statistics
+        stacked = is_stacked(v) and value.ndim >= 1 and value.shape[0] == len(index)
+        return v.replace(jnp.take(value, index, axis=0)) if stacked else v
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
