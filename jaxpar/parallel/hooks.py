@@ -143,19 +143,10 @@ class ManualHooks(_Hooks):
         the layers look the full weights up in `replicas`."""
         if self.replicas is None:
             return params
-        sizes = self.layout.sizes
-
-        def one(path, v):
-            found = self.layout.weights[path_names(path)].zero_dim
-            if found is None:
-                return v
-            d, axes = found
-            value = v.get_value()
-            size = value.shape[d] // math.prod(sizes[a] for a in axes)
-            start = jax.lax.axis_index(axes) * size  # axes are data-parallel axes only
-            return v.replace(jax.lax.dynamic_slice_in_dim(value, start, size, axis=d))
-
-        return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_var)
+        weights, sizes = self.layout.weights, self.layout.sizes
+        return jax.tree_util.tree_map_with_path(
+            lambda p, v: v if weights[path_names(p)].zero_dim is None else v.replace(
+                _local_slice(v.get_value(), *weights[path_names(p)].zero_dim, sizes)), params, is_leaf=_is_var)
 
     def _expand(self, variable, path, layer):
         found = self.layout.weights[path].zero_dim
@@ -171,6 +162,12 @@ class ManualHooks(_Hooks):
         full = self.replicas[path]
         full = full if layer is None else jax.lax.dynamic_index_in_dim(full, layer, keepdims=False)
         return variable.replace(_replica_with_scattered_grad(shard, full.astype(shard.dtype), d, axes))
+
+
+def _local_slice(value: jax.Array, dim: int, axes: tuple[str, ...], sizes) -> jax.Array:
+    """This device's block of `value` along `dim`, split over the (data-parallel) `axes`."""
+    size = value.shape[dim] // math.prod(sizes[a] for a in axes)
+    return jax.lax.dynamic_slice_in_dim(value, jax.lax.axis_index(axes) * size, size, axis=dim)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
