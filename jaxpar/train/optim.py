@@ -7,6 +7,7 @@ import optax
 from flax import nnx
 
 from jaxpar.config import TrainConfig
+from jaxpar.model.axes import logical_names
 
 
 def lr_schedule(t: TrainConfig) -> optax.Schedule:
@@ -22,8 +23,7 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
 def _decay_mask(params):
     # Decay matrices only; norm scales (1 dim per layer) are left alone.
     def is_matrix(x):
-        names = x.get_metadata().get("out_sharding") or ()
-        return sum(n != "layers" for n in names) >= 2
+        return sum(n != "layers" for n in logical_names(x, x.get_value().ndim)) >= 2
 
     return jax.tree.map(lambda v: v.replace(is_matrix(v)), params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
