@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from common import RESULTS, device_line, markdown, pyplot, save_figure, trainer_on
 from jaxpar.config import load_config
 from jaxpar.runtime import setup_devices
-from jaxpar.session import on_devices
 
 MODEL_A = ["model.d_model=256", "model.n_layers=11", "model.n_heads=8", "model.d_ff=1024", "mesh.data=8"]
 DEEP_B = ["model.seq_len=256", "train.batch_size=64", "mesh.data=8"]
@@ -38,7 +38,7 @@ LAYERS, POLICIES = (4, 8, 16, 32), ("none", "full", "dots", "sqrt")
 CATEGORIES = (("params", "params_bytes"), ("optimizer state", "opt_state_bytes"), ("gradients", "grads_bytes"),
               ("temporaries", "temp_bytes"), ("arguments", "argument_bytes"))
 COLLECTIVES = ("reduce-scatter", "all-reduce", "all-gather")
-OUT_PNG = Path(__file__).resolve().parent / "results" / "memory.png"
+OUT_PNG = RESULTS / "memory.png"
 MIB = 2 ** 20
 
 if any(a in ("-h", "--help") for a in sys.argv[1:]):
@@ -49,14 +49,13 @@ OVERRIDES = sys.argv[1:]
 DEVICES = setup_devices(load_config(None, [*MODEL_A, *OVERRIDES]))
 
 from jaxpar.plan import measure_step  # noqa: E402
-from jaxpar.train.trainer import Trainer  # noqa: E402
 
 
 def measure(label: str, overrides: list[str]) -> dict:
     """Compile one layout's train step (nothing runs) and return `measure_step`'s figures."""
     cfg = load_config(None, [f"run.dir={os.devnull}", *overrides])
     start = time.perf_counter()
-    plan = measure_step(Trainer(on_devices(cfg, DEVICES)))
+    plan = measure_step(trainer_on(cfg, DEVICES))
     print(f"{label}: compiled and measured in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return plan
 
@@ -88,37 +87,26 @@ def table_b() -> dict:
 def markdown_a(rows: list[dict]) -> str:
     """Table A as markdown: MiB with 2 decimals per category, collectives in bytes per step."""
     header = ["zero", "optimizer"] + [f"{name} MiB" for name, _ in CATEGORIES] + [f"{op} B" for op in COLLECTIVES]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        cells = [str(r["zero"]), r["optimizer"]] + [f"{r[key] / MIB:.2f}" for _, key in CATEGORIES]
-        lines.append("| " + " | ".join(cells + [f"{r[op]:,d}" for op in COLLECTIVES]) + " |")
-    return "\n".join(lines)
+    cells = [[str(r["zero"]), r["optimizer"]] + [f"{r[key] / MIB:.2f}" for _, key in CATEGORIES]
+             + [f"{r[op]:,d}" for op in COLLECTIVES] for r in rows]
+    return markdown(header, cells)
 
 
 def markdown_b(remat: dict) -> str:
     """Table B as markdown: temporary MiB per (policy, L), temp and FLOPs ratios vs none at the largest L."""
     top = LAYERS[-1]
     header = ["remat"] + [f"L={n} temp MiB" for n in LAYERS] + [f"temp / none (L={top})", f"FLOPs / none (L={top})"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     base = remat["none"][top]
-    for policy in POLICIES:
-        cells = [policy] + [f"{remat[policy][n]['temp_bytes'] / MIB:.2f}" for n in LAYERS]
-        cells += [f"{remat[policy][top]['temp_bytes'] / base['temp_bytes']:.3f}",
-                  f"{remat[policy][top]['flops'] / base['flops']:.3f}"]
-        lines.append("| " + " | ".join(cells) + " |")
+    cells = [[policy] + [f"{remat[policy][n]['temp_bytes'] / MIB:.2f}" for n in LAYERS]
+             + [f"{remat[policy][top]['temp_bytes'] / base['temp_bytes']:.3f}",
+                f"{remat[policy][top]['flops'] / base['flops']:.3f}"] for policy in POLICIES]
     per_l = ", ".join(f"L={n}: {remat['none'][n]['flops']:.4g}" for n in LAYERS)
-    lines.append(f"\nmatmul FLOPs per step and device, remat=none: {per_l}")
-    return "\n".join(lines)
+    return markdown(header, cells) + f"\n\nmatmul FLOPs per step and device, remat=none: {per_l}"
 
 
 def plot(rows: list[dict], remat: dict, path: Path) -> None:
     """Two panels: stacked per-device MiB per layout (left), temporary MiB against L per remat policy (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(14, 5.5))
     xs = range(len(rows))
     bottom = [0.0] * len(rows)
     for name, key, color in (("params", "params_bytes", "tab:blue"), ("optimizer state", "opt_state_bytes", "tab:orange"),
@@ -141,16 +129,13 @@ def plot(rows: list[dict], remat: dict, path: Path) -> None:
     right.set_ylabel("temporary MiB per device")
     right.set_title("Temporaries vs depth per remat policy (seq 256, batch 64, data=8)")
     right.legend(title="remat", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:
     """Measure both tables, print them as markdown, write the figure, print the JSON line."""
-    print(f"{len(DEVICES)} x {DEVICES[0].device_kind} ({DEVICES[0].platform}); compiling "
-          f"{len(STAGES) * len(OPTIMIZERS) + len(LAYERS) * len(POLICIES)} layouts", file=sys.stderr)
+    print(f"{device_line(DEVICES)}; compiling {len(STAGES) * len(OPTIMIZERS) + len(LAYERS) * len(POLICIES)} layouts",
+          file=sys.stderr)
     model = [*MODEL_A, *OVERRIDES]
     rows, remat = table_a(model), table_b()
     print("Table A: per-device bytes by ZeRO stage and optimizer (" + " ".join(model) + ")\n")

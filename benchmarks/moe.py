@@ -25,7 +25,6 @@ stderr; the figure goes to benchmarks/results/moe.png (tokens/s; per-expert toke
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -33,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import (RESULTS, host_batches, markdown, pyplot, run_line, save_figure, step_parser, time_trainer,
+                    trainer_on)
 from jaxpar.config import load_config
 from jaxpar.runtime import setup_devices
 from jaxpar.session import on_devices
@@ -40,12 +41,9 @@ from jaxpar.session import on_devices
 ROUTERS, EXPERT_DEGREES, CAPACITIES, AUX_WEIGHTS = ("topk", "switch", "expert_choice"), (1, 2, 4, 8), \
     (1.0, 1.25, 2.0), (0.0, 0.01)
 MODEL = ["model.moe.experts=8", "model.moe.every=2"]
-OUT_PNG = Path(__file__).resolve().parent / "results" / "moe.png"
+OUT_PNG = RESULTS / "moe.png"
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-parser.add_argument("--steps", type=int, default=6, help="timed steps per layout (default 6, at least 5)")
-parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps, compile included (default 2)")
+parser = step_parser(__doc__, steps=6, warmup=2, steps_help="timed steps per layout (default %(default)s, at least 5)")
 parser.add_argument("--train-steps", type=int, default=100, help="steps per training run (default 100)")
 ARGS = parser.parse_args()
 if ARGS.steps < 5 or ARGS.warmup < 1 or ARGS.train_steps < 10:
@@ -55,24 +53,13 @@ BASE = [*MODEL, *ARGS.overrides]
 DEVICES = setup_devices(load_config(None, [f"run.dir={os.devnull}", *BASE]))
 
 import jax  # noqa: E402
-from timing import time_steps  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpar.data import BatchSampler, load_tokens, split_tokens  # noqa: E402
 from jaxpar.model.routers import capacity  # noqa: E402
 from jaxpar.plan import measure_step  # noqa: E402
 from jaxpar.session import prepare  # noqa: E402
 from jaxpar.train.loop import train  # noqa: E402
 from jaxpar.train.report import read_jsonl  # noqa: E402
-from jaxpar.train.trainer import Trainer  # noqa: E402
-
-
-def host_batches(cfg, count: int) -> list[np.ndarray]:
-    """`count` (batch_size, seq_len+1) token batches, the same for every layout."""
-    m, t = cfg.model, cfg.train
-    train_tokens, _ = split_tokens(load_tokens(cfg.data.source, m.vocab_size), cfg.data.val_fraction, m.seq_len)
-    sampler = BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed)
-    return [sampler.batch(i) for i in range(count)]
 
 
 def throughput_row(router: str, expert: int, batches: list[np.ndarray]) -> dict:
@@ -80,9 +67,9 @@ def throughput_row(router: str, expert: int, batches: list[np.ndarray]) -> dict:
     start = time.perf_counter()
     cfg = load_config(None, [f"run.dir={os.devnull}", *BASE, f"model.moe.router={router}",
                              f"mesh.expert={expert}", f"mesh.data={len(DEVICES) // expert}"])
-    trainer = Trainer(on_devices(cfg, DEVICES))
+    trainer = trainer_on(cfg, DEVICES)
     all_to_all = measure_step(trainer)["collectives"].get("all-to-all", 0)
-    seconds, metrics, _ = time_steps(trainer.step, trainer.init(), trainer.put_batch, batches, ARGS.warmup)
+    seconds, metrics, _ = time_trainer(trainer, batches, ARGS.warmup)
     last = jax.device_get(metrics)
     print(f"{router} expert={expert}: {seconds * 1e3:.1f} ms/step, done in {time.perf_counter() - start:.1f} s",
           file=sys.stderr)
@@ -138,20 +125,9 @@ def _fraction(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
-def markdown(header: list[str], rows: list[list]) -> str:
-    """A markdown table from a header and rows of cells (already formatted strings)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
-
-
 def plot(speed: list[dict], balance: list[dict], path: Path) -> None:
     """Left: tokens/s per router by mesh.expert. Right: switch per-expert tokens with aux loss off vs on."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(13, 5))
     width = 0.8 / len(ROUTERS)
     for i, router in enumerate(ROUTERS):
         mine = [r for r in speed if r["router"] == router]
@@ -174,10 +150,7 @@ def plot(speed: list[dict], balance: list[dict], path: Path) -> None:
               title=f"Switch router after {ARGS.train_steps} steps", ylim=(0, 1.4 * cap))
     left.legend(fontsize=8, loc="upper center", ncol=3)
     right.legend(fontsize=8, loc="upper center", ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -185,8 +158,7 @@ def main() -> int:
     started = time.perf_counter()
     cfg = load_config(None, [f"run.dir={os.devnull}", *BASE])
     batches = host_batches(cfg, ARGS.warmup + ARGS.steps)
-    print(f"{len(DEVICES)} x {DEVICES[0].device_kind} ({DEVICES[0].platform}); batch {cfg.train.batch_size} x seq "
-          f"{cfg.model.seq_len}; {ARGS.warmup} warm-up + {ARGS.steps} timed steps per layout", file=sys.stderr)
+    print(run_line(DEVICES, cfg, ARGS.warmup, ARGS.steps) + " per layout", file=sys.stderr)
     speed = [throughput_row(r, e, batches) for r in ROUTERS for e in EXPERT_DEGREES]
     capacity = [train_run("switch", capacity=c) for c in CAPACITIES]
     balance = [train_run(r, aux=a) for r in ("switch", "topk") for a in AUX_WEIGHTS]

@@ -48,10 +48,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import RESULTS, pyplot, save_figure
+
 REPO = Path(__file__).resolve().parent.parent
 MAXTEXT_REQUIREMENT = "maxtext[tpu]==0.2.5"
 DEFAULT_CACHE = Path.home() / ".cache" / "jaxpar" / "maxtext-0.2.5"
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "peer_maxtext.png"
+DEFAULT_OUT = RESULTS / "peer_maxtext.png"
 DEVICES = 8
 
 # The shape both sides train (see the docstring for the MLP equivalence).
@@ -83,14 +85,11 @@ def _maxtext_mesh(fsdp=1, tensor=1, data=1, pipeline=1, microbatches=None) -> di
 
 
 LAYOUTS = {layout.name: layout for layout in (
-    Layout("fsdp8", "fsdp 8",
-           {"parallel.zero": 3, "mesh.data": 8},
+    Layout("fsdp8", "fsdp 8", {"parallel.zero": 3, "mesh.data": 8},
            _maxtext_mesh(fsdp=8)),
-    Layout("fsdp4_tp2", "fsdp 4 x tensor 2",
-           {"parallel.zero": 3, "mesh.data": 4, "mesh.tensor": 2},
+    Layout("fsdp4_tp2", "fsdp 4 x tensor 2", {"parallel.zero": 3, "mesh.data": 4, "mesh.tensor": 2},
            _maxtext_mesh(fsdp=4, tensor=2)),
-    Layout("data8", "data 8",
-           {"parallel.zero": 0, "mesh.data": 8},
+    Layout("data8", "data 8", {"parallel.zero": 0, "mesh.data": 8},
            _maxtext_mesh(data=8)),
     # MaxText's pipeline needs each microbatch to divide by the fsdp size: 8 / 2 = 4 rows over fsdp 4.
     Layout("fsdp4_pp2", "fsdp 4 x pipeline 2 (gpipe, 2 microbatches)",
@@ -99,8 +98,7 @@ LAYOUTS = {layout.name: layout for layout in (
            _maxtext_mesh(fsdp=4, pipeline=2, microbatches=2)),
     # Heads cannot be split across more tensor shards than there are (both sides refuse 4 heads
     # over 8), so this layout alone has 8 heads of 32: the same parameters and FLOPs.
-    Layout("tp8", "tensor 8 (8 heads of 32)",
-           {"parallel.zero": 0, "mesh.data": 1, "mesh.tensor": 8},
+    Layout("tp8", "tensor 8 (8 heads of 32)", {"parallel.zero": 0, "mesh.data": 1, "mesh.tensor": 8},
            _maxtext_mesh(tensor=8), heads=8),
 )}
 
@@ -352,12 +350,7 @@ def markdown_table(results: list[Result], commit: str) -> str:
 
 def bar_chart(results: list[Result], commit: str, out: Path) -> None:
     """Grouped bars of the median tokens/s per layout, jaxpar beside MaxText."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.8 * len(results) + 2), 4.5))
+    fig, ax = pyplot().subplots(figsize=(max(6.0, 1.8 * len(results) + 2), 4.5))
     width = 0.38
     for offset, side, name in ((-width / 2, "jaxpar", f"jaxpar {commit}"), (width / 2, "maxtext", "MaxText 0.2.5")):
         ax.bar([i + offset for i in range(len(results))], [r.median(side) or 0 for r in results], width, label=name)
@@ -374,10 +367,7 @@ def bar_chart(results: list[Result], commit: str, out: Path) -> None:
     ax.set_title(f"Training throughput, {DEVICES} emulated CPU devices\n"
                  f"bf16, full remat, batch {BATCH} x {SEQ}; labels: jaxpar / MaxText", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out, dpi=120)
 
 
 def git_commit() -> str:

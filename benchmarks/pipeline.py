@@ -29,90 +29,65 @@ with every number; the figure goes to benchmarks/results/pipeline.png (idle frac
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from common import (RESULTS, host_batches, markdown, parse_steps, pyplot, run_line, save_figure, step_parser,
+                    time_trainer, trainer_on)
 from jaxpar.config import load_config
 from jaxpar.runtime import setup_devices
-from jaxpar.session import on_devices
 
 STAGES, DATA, MICROBATCHES = 4, 2, (4, 8, 16, 32)
 # label -> (schedule, virtual stages per device, recompute)
 SCHEDULES = {"gpipe": ("gpipe", 1, False), "1f1b": ("1f1b", 1, False), "1f1b recompute": ("1f1b", 1, True),
              "interleaved": ("interleaved", 2, False), "2bw": ("2bw", 1, False)}
 MODEL = ["model.n_layers=8", "train.batch_size=64"]
-OUT_PNG = Path(__file__).resolve().parent / "results" / "pipeline.png"
+OUT_PNG = RESULTS / "pipeline.png"
 MIB = 2 ** 20
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (default 5)")
-parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps, compile included (default 2)")
-ARGS = parser.parse_args()
-if ARGS.steps < 1 or ARGS.warmup < 1:
-    parser.error("--steps and --warmup must be at least 1")
+ARGS = parse_steps(step_parser(__doc__, steps=5, warmup=2))
 BASE = [f"run.dir={os.devnull}", *MODEL, *ARGS.overrides]
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).
 DEVICES = setup_devices(load_config(None, BASE))
 
-from timing import time_steps  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpar.data import BatchSampler, load_tokens, split_tokens  # noqa: E402
 from jaxpar.parallel.schedules import theoretical_idle_fraction  # noqa: E402
 from jaxpar.plan import measure_step  # noqa: E402
-from jaxpar.train.trainer import Trainer  # noqa: E402
-
-
-def host_batches(cfg, count: int) -> list[np.ndarray]:
-    """`count` (batch_size, seq_len+1) token batches, the same for every layout."""
-    m, t = cfg.model, cfg.train
-    train_tokens, _ = split_tokens(load_tokens(cfg.data.source, m.vocab_size), cfg.data.val_fraction, m.seq_len)
-    sampler = BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed)
-    return [sampler.batch(i) for i in range(count)]
 
 
 def run_layout(label: str, overrides: list[str], batches: list[np.ndarray]) -> dict:
     """Build one layout's Trainer, measure its compiled step, then time it; returns the raw figures."""
     start = time.perf_counter()
     cfg = load_config(None, [*BASE, *overrides])
-    trainer = Trainer(on_devices(cfg, DEVICES))
+    trainer = trainer_on(cfg, DEVICES)
     plan = measure_step(trainer)
-    seconds, _, _ = time_steps(trainer.step, trainer.init(), trainer.put_batch, batches, ARGS.warmup)
+    seconds, _, _ = time_trainer(trainer, batches, ARGS.warmup)
     tokens = cfg.train.batch_size * cfg.model.seq_len
     print(f"{label}: {seconds * 1e3:.1f} ms/step, done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return {"flops": plan["flops"], "executed_flops": plan["executed_flops"], "temp_bytes": plan["temp_bytes"], "median_step_ms": seconds * 1e3,
             "tokens_per_s": tokens / seconds, "table": trainer.pipeline}
 
 
-def markdown(ref: dict, rows: list[dict]) -> str:
+def markdown_table(ref: dict, rows: list[dict]) -> str:
     """The markdown table: one row per (schedule, M), then the data=8 reference."""
     header = ["schedule", "M", "ticks", "idle theory", "idle table", "static FLOPs / data=8",
               "executed FLOPs / data=8", "temp MiB", "step ms", "tokens/s"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        cells = [r["label"] + (f" (v={r['virtual']})" if r["virtual"] > 1 else ""), str(r["M"]), str(r["ticks"]),
-                 f"{r['idle_theory']:.3f}", f"{r['idle_table']:.3f}", f"{r['static_flops_ratio']:.3f}",
-                 f"{r['executed_flops_ratio']:.3f}", f"{r['temp_mib']:.2f}", f"{r['median_step_ms']:.1f}",
-                 f"{r['tokens_per_s']:,.0f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("| " + " | ".join(["none (data=8)", "-", "-", "0", "-", "1.000", "1.000", f"{ref['temp_mib']:.2f}",
-                                    f"{ref['median_step_ms']:.1f}", f"{ref['tokens_per_s']:,.0f}"]) + " |")
-    return "\n".join(lines)
+    cells = [[r["label"] + (f" (v={r['virtual']})" if r["virtual"] > 1 else ""), str(r["M"]), str(r["ticks"]),
+              f"{r['idle_theory']:.3f}", f"{r['idle_table']:.3f}", f"{r['static_flops_ratio']:.3f}",
+              f"{r['executed_flops_ratio']:.3f}", f"{r['temp_mib']:.2f}", f"{r['median_step_ms']:.1f}",
+              f"{r['tokens_per_s']:,.0f}"] for r in rows]
+    cells.append(["none (data=8)", "-", "-", "0", "-", "1.000", "1.000", f"{ref['temp_mib']:.2f}",
+                  f"{ref['median_step_ms']:.1f}", f"{ref['tokens_per_s']:,.0f}"])
+    return markdown(header, cells)
 
 
 def plot(ref: dict, rows: list[dict], path: Path) -> None:
     """Two panels against M: idle fraction per schedule with theory dashed (left), temporary MiB (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(13, 5))
     for (name, (_, virtual, _)), marker in zip(SCHEDULES.items(), "osxD^"):
         mine = [r for r in rows if r["label"] == name]
         label = name + (f" (v={virtual})" if virtual > 1 else "")
@@ -134,18 +109,14 @@ def plot(ref: dict, rows: list[dict], path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:
     """Run the data=8 reference and every (schedule, M), print the table and JSON, write the figure."""
     cfg = load_config(None, BASE)
     batches = host_batches(cfg, ARGS.warmup + ARGS.steps)
-    print(f"{len(DEVICES)} x {DEVICES[0].device_kind} ({DEVICES[0].platform}); batch {cfg.train.batch_size} x seq "
-          f"{cfg.model.seq_len}; {ARGS.warmup} warm-up + {ARGS.steps} timed steps per layout", file=sys.stderr)
+    print(run_line(DEVICES, cfg, ARGS.warmup, ARGS.steps) + " per layout", file=sys.stderr)
     ref = run_layout("data=8", ["mesh.data=8", "mesh.stage=1"], batches)
     ref.pop("table")
     ref["temp_mib"] = ref["temp_bytes"] / MIB
@@ -165,7 +136,7 @@ def main() -> int:
                          "temp_mib": got["temp_bytes"] / MIB, **got})
     print(f"Pipeline, S={STAGES} on data={DATA} x stage={STAGES} ({' '.join(BASE[1:])}); "
           f"FLOPs relative to data=8 (flops_data8 = {ref['flops']:.4g} per device)\n")
-    print(markdown(ref, rows) + "\n")
+    print(markdown_table(ref, rows) + "\n")
     plot(ref, rows, OUT_PNG)
     print(f"figure: {OUT_PNG}", file=sys.stderr)
     print(json.dumps({"overrides": BASE[1:], "stages": STAGES, "data": DATA, "reference_data8": ref, "rows": rows}))

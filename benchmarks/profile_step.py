@@ -19,7 +19,6 @@ absolute milliseconds, and only from runs on an otherwise idle machine. The last
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import json
@@ -27,19 +26,14 @@ import re
 import sys
 import tempfile
 
-from jaxpar.config import load_config
+from common import load_settings, parse_steps, step_parser
 from jaxpar.runtime import setup_devices
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("settings", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")
-parser.add_argument("--steps", type=int, default=3, help="traced steps (default 3)")
-parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, compile included (default 2)")
+parser = step_parser(__doc__, steps=3, warmup=2, config_file=True, steps_help="traced steps (default %(default)s)",
+                     warmup_help="untimed steps first, compile included (default %(default)s)")
 parser.add_argument("--top", type=int, default=15, help="how many single ops to list (default 15)")
-ARGS = parser.parse_args()
-if ARGS.steps < 1 or ARGS.warmup < 1:
-    parser.error("--steps and --warmup must be at least 1")
-_yaml = [a for a in ARGS.settings if a.endswith((".yaml", ".yml")) and "=" not in a]
-CFG = load_config(_yaml[0] if _yaml else None, [a for a in ARGS.settings if a not in _yaml])
+ARGS = parse_steps(parser)
+CFG = load_settings(ARGS.settings)
 setup_devices(CFG)  # before jax starts: emulated CPU devices
 
 import jax  # noqa: E402

@@ -19,26 +19,21 @@ dense FLOP/s in the compute dtype (train.precision: bf16/fp16 tensor cores, or T
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from jaxpar.config import ConfigError, load_config
-from jaxpar.validation import validate
+from common import (host_batches, load_settings, markdown, parse_steps, run_line, step_parser, time_steps,
+                    time_trainer, trainer_on)
+from jaxpar.config import ConfigError
 from jaxpar.runtime import setup_devices
+from jaxpar.validation import validate
 
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("settings", nargs="*", help="an optional CONFIG.yaml, then key=value overrides")
-parser.add_argument("--steps", type=int, default=10, help="timed steps per layout (default 10)")
-parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps, compile included (default 3)")
+parser = step_parser(__doc__, steps=10, warmup=3, config_file=True)
 parser.add_argument("--peak-tflops", type=float, default=None,
                     help="peak dense TFLOP/s per device in the compute dtype, for MFU")
-ARGS = parser.parse_args()
-if ARGS.steps < 1 or ARGS.warmup < 1:
-    parser.error("--steps and --warmup must be at least 1")
-_yaml = [a for a in ARGS.settings if a.endswith((".yaml", ".yml")) and "=" not in a]
-CFG = load_config(_yaml[0] if _yaml else None, [a for a in ARGS.settings if a not in _yaml])
+ARGS = parse_steps(parser)
+CFG = load_settings(ARGS.settings)
 DEVICES = setup_devices(CFG)
 
 import jax  # noqa: E402
@@ -47,11 +42,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from timing import time_steps  # noqa: E402
-from jaxpar.data import BatchSampler, load_tokens, split_tokens  # noqa: E402
 from jaxpar.model import Transformer  # noqa: E402
-from jaxpar.session import on_devices  # noqa: E402
-from jaxpar.train.trainer import Trainer  # noqa: E402
 
 # Peak dense FLOP/s per device by compute dtype (fp32 runs its matmuls as TF32), matched by
 # substring of device_kind (first match wins). Vendor datasheet figures, without sparsity.
@@ -61,19 +52,6 @@ PEAK_FLOPS = {
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 495e12},
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
 }
-
-
-def host_batches(cfg, count: int) -> list[np.ndarray]:
-    """`count` (batch_size, seq_len+1) token batches, the same for every layout."""
-    m, t = cfg.model, cfg.train
-    train_tokens, _ = split_tokens(load_tokens(cfg.data.source, m.vocab_size), cfg.data.val_fraction, m.seq_len)
-    sampler = BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed)
-    return [sampler.batch(i) for i in range(count)]
-
-
-def median_step_seconds(step, state, put, batches: list[np.ndarray], warmup: int) -> float:
-    """Median seconds of the steps after `warmup` (see timing.time_steps)."""
-    return time_steps(step, state, put, batches, warmup)[0]
 
 
 def baseline_seconds(cfg, device, batches: list[np.ndarray], warmup: int) -> float:
@@ -102,7 +80,7 @@ def baseline_seconds(cfg, device, batches: list[np.ndarray], warmup: int) -> flo
         return (optax.apply_updates(params, updates), opt_state), loss
 
     step = jax.jit(train_step, donate_argnums=0)
-    return median_step_seconds(step, state, lambda b: jax.device_put(b, device), batches, warmup)
+    return time_steps(step, state, lambda b: jax.device_put(b, device), batches, warmup)[0]
 
 
 def layouts(n: int) -> list[tuple[int, int]]:
@@ -112,8 +90,7 @@ def layouts(n: int) -> list[tuple[int, int]]:
 
 def trainer_seconds(cfg, devices, batches: list[np.ndarray], warmup: int) -> float:
     """Time jaxpar's Trainer step for cfg's mesh over `devices`."""
-    trainer = Trainer(on_devices(cfg, devices))
-    return median_step_seconds(trainer.step, trainer.init(), trainer.put_batch, batches, warmup)
+    return time_trainer(trainer_on(cfg, devices), batches, warmup)[0]
 
 
 def active_params(cfg) -> int:
@@ -147,8 +124,7 @@ def main() -> int:
     cfg, devices, warmup = CFG, DEVICES, ARGS.warmup
     batches = host_batches(cfg, warmup + ARGS.steps)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
-    print(f"{len(devices)} x {devices[0].device_kind} ({devices[0].platform}); batch {cfg.train.batch_size} x "
-          f"seq {cfg.model.seq_len}; {warmup} warm-up + {ARGS.steps} timed steps", file=sys.stderr)
+    print(run_line(devices, cfg, warmup, ARGS.steps), file=sys.stderr)
 
     try:  # the model and training settings themselves, before anything is compiled
         validate(cfg.replace(**{"mesh.data": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.stage": 1}), 1)
@@ -177,14 +153,14 @@ def main() -> int:
         rows.append(row)
 
     header = ["layout", "devices", "median step ms", "tokens/s", "ratio vs baseline"] + (["MFU"] if on_gpu else [])
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    table = []
     for r in rows:
         cells = [r["layout"], str(r["devices"]), f"{r['median_step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
                  f"{r['ratio_vs_baseline']:.2f}"]
         if on_gpu:
             cells.append(f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a")
-        print("| " + " | ".join(cells) + " |")
+        table.append(cells)
+    print(markdown(header, table))
     print(json.dumps(rows))
     return 0
 
