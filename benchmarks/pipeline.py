@@ -69,7 +69,7 @@ def run_layout(label: str, overrides: list[str], batches: list[np.ndarray]) -> d
     tokens = cfg.train.batch_size * cfg.model.seq_len
     print(f"{label}: {seconds * 1e3:.1f} ms/step, done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return {"flops": plan["flops"], "executed_flops": plan["executed_flops"], "temp_bytes": plan["temp_bytes"], "median_step_ms": seconds * 1e3,
-            "tokens_per_s": tokens / seconds, "table": trainer.pipeline}
+            "tokens_per_s": tokens / seconds, "table": trainer.pipeline.table}
 
 
 def markdown_table(ref: dict, rows: list[dict]) -> str:
