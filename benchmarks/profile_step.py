@@ -115,8 +115,7 @@ def main() -> int:
         if not name.startswith("Wait") and name != "Rendezvous":
             by_op[name] += seconds / per
     total = sum(by_category.values())
-    layout = " ".join(f"{a}={s}" for a, s in session.mesh_sizes.items() if s > 1) or "1 device"
-    print(f"{layout}, zero {session.cfg.parallel.zero}, {session.cfg.train.precision}, remat {session.cfg.train.remat}: "
+    print(f"{session.mesh_name()}, zero {session.cfg.parallel.zero}, {session.cfg.train.precision}, remat {session.cfg.train.remat}: "
           f"{total * 1e3:.1f} ms of thread time per step and device\n")
     print("| category | ms | share |\n| --- | --- | --- |")
     for name, seconds in by_category.most_common():
