@@ -124,7 +124,7 @@ def main() -> int:
     for name, seconds in by_op.most_common(ARGS.top):
         opcode, shape, _ = ops.get(name, ("?", "?", ""))
         print(f"| {name} | {opcode} | {shape} | {seconds * 1e3:.1f} | {seconds / total:.1%} |")
-    print(json.dumps({"layout": layout, "zero": session.cfg.parallel.zero, "precision": session.cfg.train.precision,
+    print(json.dumps({"layout": session.mesh_name(), "zero": session.cfg.parallel.zero, "precision": session.cfg.train.precision,
                       "ms_per_step_device": round(total * 1e3, 2),
                       "categories": {k: round(v / total, 4) for k, v in by_category.most_common()}}))
     return 0
