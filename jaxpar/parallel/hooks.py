@@ -47,11 +47,13 @@ def _is_var(x) -> bool:
 
 
 class _Hooks:
-    """What both implementations share: walking a state to expand each weight with `_expand`."""
+    """What both implementations share: walking a state to expand each weight with `_expand`.
+    in_step: traced inside the step's gradients (under its shard_map when it has one); False for
+    code traced outside it with the stored weights (evaluation)."""
 
-    def __init__(self, layout: Layout, expand_weights: bool = True):
-        self.layout = layout
-        self.expands = expand_weights and layout.zero >= 2
+    def __init__(self, layout: Layout, in_step: bool = True):
+        self.layout, self.in_step = layout, in_step
+        self.expands = in_step and layout.zero >= 2
         # ZeRO-2/3 expand each layer's weights from a shard; redo that in backward, never keep it.
         self.layer_weights_policy = _keep_all_but_expanded_weights if self.expands else None
 
@@ -92,7 +94,7 @@ class PartitionerHooks(_Hooks):
 
     def _sharding(self, spec: PartitionSpec):
         # Inside a pipeline's shard_map (manual over `stage`), a bare spec of the automatic axes.
-        if self.layout.manual:
+        if self.in_step and self.layout.manual:
             return without_axes(spec, self.layout.manual)
         return NamedSharding(self.layout.mesh, spec)
 

@@ -168,7 +168,7 @@ class Layout:
 
     def eval_hooks(self) -> PartitionerHooks:
         """Hooks for code traced outside shard_map with the stored weights (evaluation)."""
-        return PartitionerHooks(self, expand_weights=False)
+        return PartitionerHooks(self, in_step=False)
 
 
 def gradients(layout: Layout, grad_fn: Callable, params, batch, *args):
