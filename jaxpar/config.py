@@ -48,11 +48,29 @@ class ModelConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
+    n_kv_heads: int = 0  # key/value heads (grouped-query attention; 1: multi-query); 0: as many as n_heads
     d_ff: int = 512
     seq_len: int = 128
     positions: Literal["rope", "learned"] = "rope"
+    rope_theta: float = 10000.0  # base of the rotary angles (Llama 3: 500000)
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    # dot: the L x L scores; flash: blockwise, O(L) memory on any backend; cudnn: jax.nn.dot_product_attention's
+    # cuDNN kernel (GPU, bf16/fp16); auto: cudnn where it runs, else flash when the sequence spans several blocks, else dot
+    attention: Literal["dot", "flash", "cudnn", "auto"] = "dot"
+    flash_block_q: int = 512  # query positions per flash block (at most seq_len)
+    flash_block_kv: int = 512  # key positions per flash block (at most seq_len)
     tie_embeddings: bool = True
     moe: MoEConfig = MoEConfig()
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads when it is 0."""
+        return self.n_kv_heads or self.n_heads
+
+    def flash_blocks(self) -> tuple[int, int]:
+        """The flash block sizes (query, key) this sequence length uses: the configured ones, at most seq_len."""
+        return min(self.flash_block_q, self.seq_len), min(self.flash_block_kv, self.seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +128,9 @@ class ParallelConfig:
     """How work and state are partitioned beyond plain data/tensor parallelism."""
 
     zero: int = 0
+    # Megatron sequence parallelism: between blocks the residual stream is split over mesh.tensor along
+    # the sequence (all-gathered before the column-parallel matmuls, reduce-scattered after the row-parallel ones)
+    sequence: bool = False
     pipeline: PipelineConfig = PipelineConfig()
 
 

@@ -10,7 +10,7 @@ import functools
 from jaxpar.config import Config
 from jaxpar.data import BatchSampler, load_tokens, split_tokens
 from jaxpar.runtime import make_mesh, setup_devices
-from jaxpar.validation import validate, with_derived
+from jaxpar.validation import check_attention_platform, validate, with_derived
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,10 @@ class Session:
             parts.append(f"{pipe.schedule} M={pipe.microbatches}" + (f" v={pipe.virtual}" if pipe.virtual > 1 else ""))
         if parallel.zero:
             parts.append(f"zero={parallel.zero}")
+        if parallel.sequence:
+            parts.append("sequence")
+        if self.cfg.model.attention != "dot":
+            parts.append(f"attention={self.cfg.model.attention}")
         if t.grad_accum > 1:
             parts.append(f"grad_accum={t.grad_accum}")
         if t.remat != "none":
@@ -68,6 +72,7 @@ class Session:
 def on_devices(cfg: Config, devices: list) -> Session:
     """Validate `cfg` for `devices` (already set up) and derive its mesh; raises UserError."""
     sizes, split = validate(cfg, len(devices), len({d.process_index for d in devices}))
+    check_attention_platform(cfg, devices[0].platform)
     return Session(with_derived(cfg, sizes), devices, sizes, split, make_mesh(sizes, devices, split))
 
 

@@ -142,6 +142,34 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError("parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3.")
 
 
+def _validate_attention(cfg: Config, sizes: dict[str, int]) -> None:
+    m, tensor = cfg.model, sizes["tensor"]
+    if m.n_kv_heads < 0 or m.n_kv_heads > m.n_heads or (m.n_kv_heads and m.n_heads % m.n_kv_heads):
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
+                          f"(0: as many as n_heads).")
+    if m.rope_theta <= 0 or m.norm_eps <= 0:
+        raise ConfigError("model.rope_theta and model.norm_eps must be positive.")
+    if m.flash_block_q <= 0 or m.flash_block_kv <= 0:
+        raise ConfigError("model.flash_block_q and model.flash_block_kv must be positive.")
+    if m.attention in ("flash", "auto"):
+        for key, block in zip(("flash_block_q", "flash_block_kv"), m.flash_blocks()):
+            if m.seq_len % block:
+                raise ConfigError(f"model.{key}={block} does not divide model.seq_len={m.seq_len}.")
+    if m.attention == "cudnn" and cfg.train.precision == "fp32":
+        raise ConfigError("model.attention=cudnn needs train.precision=bf16 or fp16 (cuDNN's fused attention "
+                          "has no fp32 kernel); use flash or dot for fp32.")
+    if cfg.parallel.sequence and m.seq_len % tensor:
+        raise ConfigError(f"parallel.sequence=true splits model.seq_len={m.seq_len} over mesh.tensor={tensor}, "
+                          f"which does not divide it.")
+
+
+def check_attention_platform(cfg: Config, platform: str) -> None:
+    """model.attention=cudnn runs on NVIDIA GPUs only."""
+    if cfg.model.attention == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU, but the devices are {platform}; "
+                          f"use flash (or auto, which picks cudnn where it runs).")
+
+
 def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
     moe, m = cfg.model.moe, cfg.model
     if moe.experts < 0:
@@ -211,6 +239,7 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str,
     for key in ("n_heads", "d_ff", "vocab_size"):
         if getattr(m, key) % tensor:
             raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by mesh.tensor={tensor}.")
+    _validate_attention(cfg, sizes)
     for key in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key} must be positive, got {getattr(t, key)}.")

@@ -20,7 +20,8 @@ from typing import Protocol
 import jax
 from flax import nnx
 
-LOGICAL_AXES = ("batch", "seq", "embed", "mlp", "heads", "kv", "vocab", "expert", "layers", "pos")
+LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "expert", "layers",
+                "pos")
 
 
 class ModelHooks(Protocol):

@@ -13,13 +13,26 @@ from jaxpar.model.axes import constrain, param
 
 
 class MLP(nnx.Module):
-    """GeLU MLP: up-projection split by columns, down-projection by rows (Megatron)."""
+    """GeLU or SwiGLU MLP: up-projection split by columns, down-projection by rows (Megatron).
+
+    SwiGLU (`model.mlp=swiglu`, Llama): silu(x W_gate) * (x W_up), then W_down; the gate and up
+    weights share one fused weight (one matmul), each of them split by columns.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.d_ff
-        self.w_up = param(rngs.params(), (D, F), ("embed", "mlp"), D ** -0.5)
+        self.gated = cfg.mlp == "swiglu"
+        if self.gated:  # slot 0: gate, slot 1: up
+            self.w_gate_up = param(rngs.params(), (D, 2, F), ("embed", None, "mlp"), D ** -0.5)
+        else:
+            self.w_up = param(rngs.params(), (D, F), ("embed", "mlp"), D ** -0.5)
         self.w_down = param(rngs.params(), (F, D), ("mlp", "embed"), F ** -0.5 / math.sqrt(2 * cfg.n_layers))
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        h_BLF = constrain(jax.nn.gelu(jnp.einsum("BLD,DF->BLF", x_BLD, self.w_up[...])), ("batch", "seq", "mlp"))
-        return constrain(jnp.einsum("BLF,FD->BLD", h_BLF, self.w_down[...]), ("batch", "seq", "embed"))
+        if self.gated:
+            gate_up_BLQF = jnp.einsum("BLD,DQF->BLQF", x_BLD, self.w_gate_up[...])
+            h_BLF = jax.nn.silu(gate_up_BLQF[:, :, 0]) * gate_up_BLQF[:, :, 1]
+        else:
+            h_BLF = jax.nn.gelu(jnp.einsum("BLD,DF->BLF", x_BLD, self.w_up[...]))
+        h_BLF = constrain(h_BLF, ("batch", "seq", "mlp"))
+        return constrain(jnp.einsum("BLF,FD->BLD", h_BLF, self.w_down[...]), ("batch", "residual_seq", "embed"))

@@ -74,4 +74,4 @@ class MoE(nnx.Module):
         stats = {"aux": balance, "z": routers.z_loss(logits_GNE), "unrouted": unrouted, "expert_tokens": tokens_E}
         if dropped is not None:
             stats["dropped"] = dropped
-        return constrain(y_GND.reshape(B, L, D), ("batch", "seq", "embed")), stats
+        return constrain(y_GND.reshape(B, L, D), ("batch", "residual_seq", "embed")), stats

@@ -23,9 +23,9 @@ class Block(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
-        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
 
     def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None):
@@ -54,7 +54,7 @@ class MoEUnit(nnx.Module):
 class Transformer(nnx.Module):
     """Token embedding, optional learned positions, scanned blocks, final norm, (tied) logits.
 
-    Call with int tokens (B, L); returns logits (B, L, V) in the parameters' dtype.
+    Call with int tokens (B, L); returns fp32 logits (B, L, V).
     """
 
     # Where the stacked layers live in the parameter state: a layer's weights inside the layer
@@ -76,7 +76,7 @@ class Transformer(nnx.Module):
             return unit(cfg, rngs=rngs)
 
         self.blocks = stacked_blocks(rngs)
-        self.final_norm = RMSNorm(D)
+        self.final_norm = RMSNorm(D, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), D ** -0.5)
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
@@ -88,18 +88,23 @@ class Transformer(nnx.Module):
 
     def embed(self, tokens_BL: jax.Array) -> jax.Array:
         """Token (and learned position) embedding: (B, L) ints -> (B, L, D)."""
-        x_BLD = constrain(jnp.take(self.embedding[...], tokens_BL, axis=0), ("batch", "seq", "embed"))
+        # The tokens stay whole along the sequence: sharding them like the residual stream would make
+        # the partitioner shift their halo (the T -> L slice) with a collective-permute.
+        tokens_BL = constrain(tokens_BL, ("batch", "seq"))
+        x_BLD = constrain(jnp.take(self.embedding[...], tokens_BL, axis=0), ("batch", "residual_seq", "embed"))
         if self.pos_embedding is not None:
             x_BLD = x_BLD + self.pos_embedding[...][: tokens_BL.shape[1]][None]
+            x_BLD = constrain(x_BLD, ("batch", "residual_seq", "embed"))
         return x_BLD
 
     def logits(self, x_BLD: jax.Array) -> jax.Array:
-        """Final norm and output projection (tied to the embedding unless untied): -> (B, L, V)."""
+        """Final norm and output projection (tied to the embedding unless untied): -> (B, L, V) fp32
+        logits, accumulated in fp32 whatever the compute dtype (the loss's softmax needs them)."""
         x_BLD = self.final_norm(x_BLD)
         if self.head is None:
-            logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, self.embedding[...])
+            logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, self.embedding[...], preferred_element_type=jnp.float32)
         else:
-            logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.head[...])
+            logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.head[...], preferred_element_type=jnp.float32)
         return constrain(logits_BLV, ("batch", "seq", "vocab"))
 
     def run_blocks(self, x_BLD: jax.Array, scan: LayerScan | None = None, layer_ids: jax.Array | None = None,

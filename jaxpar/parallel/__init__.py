@@ -4,8 +4,8 @@ plan with its gradients, and the pipeline plan with its executors."""
 from jaxpar.parallel.layout import Layout, WeightPlan, gradients
 from jaxpar.parallel.pipeline import StageFns
 from jaxpar.parallel.pipeline_plan import PipelinePlan
-from jaxpar.parallel.rules import RULES, data_parallel_axes, logical_to_spec
+from jaxpar.parallel.rules import RULES, data_parallel_axes, layout_rules, logical_to_spec
 from jaxpar.parallel.zero import DATA_PARALLEL_AXES, zero_spec
 
-__all__ = ["DATA_PARALLEL_AXES", "Layout", "PipelinePlan", "RULES", "StageFns", "WeightPlan", "data_parallel_axes",
+__all__ = ["DATA_PARALLEL_AXES", "Layout", "PipelinePlan", "RULES", "StageFns", "WeightPlan", "data_parallel_axes", "layout_rules",
            "gradients", "logical_to_spec", "zero_spec"]

@@ -3,7 +3,9 @@
 Model code names logical axes only; this table decides the layout:
 batch over data (and expert, which acts as extra data parallelism outside MoE layers),
 Megatron tensor parallelism over `tensor` (MLP hidden, attention heads, vocabulary), and the
-stacked layers split into pipeline stages over `stage`.
+stacked layers split into pipeline stages over `stage`. `layout_rules` adapts it to one model
+and mesh: key/value heads are replicated when there are fewer of them than tensor ranks, and
+sequence parallelism splits the residual stream's sequence over `tensor`.
 """
 
 from __future__ import annotations
@@ -13,16 +15,32 @@ from jax.sharding import PartitionSpec
 # logical name -> mesh axis (or tuple of mesh axes), None = replicated.
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "expert"),
-    "seq": None,
+    "seq": None,  # inside a block: attention and the MLP see the whole sequence
+    "residual_seq": None,  # the residual stream between blocks; "tensor" under sequence parallelism
     "embed": None,
     "mlp": "tensor",
     "heads": "tensor",
+    "kv_heads": "tensor",  # grouped-query attention's key/value heads
     "kv": None,
     "vocab": "tensor",
     "expert": "expert",
     "layers": "stage",
     "pos": None,
 }
+
+
+def layout_rules(kv_heads: int, tensor: int, sequence: bool) -> dict:
+    """The rules table for one model on one mesh.
+
+    With fewer key/value heads than tensor ranks (or a count they do not divide) every rank keeps
+    all of them, as Megatron and MaxText do: each rank computes the KV heads its query heads use.
+    """
+    rules = dict(RULES)
+    if kv_heads % tensor:
+        rules["kv_heads"] = None
+    if sequence:
+        rules["residual_seq"] = "tensor"
+    return rules
 
 
 def data_parallel_axes(rules: dict = RULES) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.session import Session
 from jaxpar.model import Transformer
-from jaxpar.parallel import Layout, PipelinePlan
+from jaxpar.parallel import Layout, PipelinePlan, layout_rules
 from jaxpar.train.optim import lr_schedule, make_optimizer
 from jaxpar.train.precision import COMPUTE_DTYPES, LossScale
 from jaxpar.train.step import Optimizer, TrainState, make_eval_step, make_train_step
@@ -33,8 +33,9 @@ class Trainer:
         self.mesh = mesh = session.mesh
         abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
         self.graphdef, abstract_params = nnx.split(abstract_model)
+        rules = layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence)
         self.layout = Layout.build(mesh, abstract_params, Transformer.STACKED_AT, cfg.parallel.zero,
-                                   COMPUTE_DTYPES[cfg.train.precision])
+                                   COMPUTE_DTYPES[cfg.train.precision], rules)
         self.pipeline = PipelinePlan.build(cfg.parallel.pipeline, self.layout.sizes["stage"],
                                            abstract_model.stacked_layers())
         self.optimizer = Optimizer(make_optimizer(cfg.train), lr_schedule(cfg.train))

@@ -1,7 +1,7 @@
 """`verify`: train a layout and the single-device reference side by side and compare them.
 
 Both start from the same weights (the layout's sharded init, copied to one device) and see
-the same batches. The reference is always one device, fp32, no gradient accumulation.
+the same batches. The reference is always one device, fp32, no gradient accumulation, dot attention.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ DEFAULT_STEPS = 3
 
 
 def reference_config(cfg):
-    """The single-device, fp32, ZeRO-0, no-remat, no-accumulation version of a config."""
+    """The single-device, fp32, ZeRO-0, no-remat, no-accumulation version of a config, with the
+    plain L x L attention (so flash and cuDNN attention are checked against it)."""
     return cfg.replace(**{"mesh.data": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.stage": 1,
                           "train.grad_accum": 1, "train.precision": "fp32", "train.remat": "none",
-                          "parallel.zero": 0})
+                          "parallel.zero": 0, "parallel.sequence": False, "model.attention": "dot"})
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
