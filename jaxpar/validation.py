@@ -158,6 +158,9 @@ def _validate_attention(cfg: Config, sizes: dict[str, int]) -> None:
     if m.attention == "cudnn" and cfg.train.precision == "fp32":
         raise ConfigError("model.attention=cudnn needs train.precision=bf16 or fp16 (cuDNN's fused attention "
                           "has no fp32 kernel); use flash or dot for fp32.")
+    if cfg.parallel.sequence and tensor > 1 and m.kv_heads % tensor:
+        raise ConfigError(f"parallel.sequence=true needs the {m.kv_heads} key/value heads (model.n_kv_heads) to be "
+                          f"divisible by mesh.tensor={tensor}.")
     if cfg.parallel.sequence and m.seq_len % tensor:
         raise ConfigError(f"parallel.sequence=true splits model.seq_len={m.seq_len} over mesh.tensor={tensor}, "
                           f"which does not divide it.")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.axes import constrain, param
+from jaxpar.model.axes import column_parallel, constrain, param, row_parallel
 from jaxpar.model.flash import flash_attention
 from jaxpar.model.layers import rotary
 
@@ -61,17 +61,20 @@ class Attention(nnx.Module):
                                            block_kv=self.flash_blocks[1])
             else:
                 out_BLHK = dot_attention(q_BLHK, k_BLHK, v_BLHK)
-        out_BLHK = constrain(out_BLHK, ("batch", "seq", "heads", "kv"))
-        return constrain(jnp.einsum("BLHK,HKD->BLD", out_BLHK, self.wo[...]), ("batch", "residual_seq", "embed"))
+        names, residual = ("batch", "seq", "heads", "kv"), ("batch", "residual_seq", "embed")
+        out_BLHK = constrain(out_BLHK, names)
+        return constrain(row_parallel("BLHK,HKD->BLD", out_BLHK, self.wo, names, residual), residual)
 
     def project(self, x_BLD: jax.Array):
         """q (B, L, H, K) and k, v (B, L, G, K), G the key/value heads."""
         names, kv_names = ("batch", "seq", "heads", "kv"), ("batch", "seq", "kv_heads", "kv")
+        residual = ("batch", "residual_seq", "embed")
         if self.fused_qkv:
-            qkv_BLQHK = jnp.einsum("BLD,DQHK->BLQHK", x_BLD, self.w_qkv[...])
+            qkv_BLQHK = column_parallel("BLD,DQHK->BLQHK", x_BLD, self.w_qkv, residual,
+                                        ("batch", "seq", None, "heads", "kv"))
             return tuple(constrain(qkv_BLQHK[:, :, i], names) for i in range(3))
-        q_BLHK = constrain(jnp.einsum("BLD,DHK->BLHK", x_BLD, self.w_q[...]), names)
-        kv_BLQGK = jnp.einsum("BLD,DQGK->BLQGK", x_BLD, self.w_kv[...])
+        q_BLHK = constrain(column_parallel("BLD,DHK->BLHK", x_BLD, self.w_q, residual, names), names)
+        kv_BLQGK = column_parallel("BLD,DQGK->BLQGK", x_BLD, self.w_kv, residual, ("batch", "seq", None, "kv_heads", "kv"))
         return (q_BLHK, *(constrain(kv_BLQGK[:, :, i], kv_names) for i in range(2)))
 
 

@@ -5,10 +5,12 @@ Parameters carry their logical names as Flax `out_sharding` metadata, so
 Flax model (eager sharding is off: the layout is chosen by jaxpar.parallel). `logical_names`
 is the one reader of that metadata, `path_names` the one spelling of a pytree path.
 
-While a step is traced, a parallel layout acts inside the model through two hooks
-(`ModelHooks`): `constrain` annotates an activation's sharding by logical names, and
-`expert_all_to_all` moves each expert's tokens to the device holding the expert. Both do
-nothing unless a layout installs its hooks with `layout_hooks`.
+While a step is traced, a parallel layout acts inside the model through hooks
+(`ModelHooks`): `constrain` annotates an activation's sharding by logical names,
+`expert_all_to_all` moves each expert's tokens to the device holding the expert, and
+`column_parallel` / `row_parallel` run the matmuls into and out of a tensor-parallel region
+(under sequence parallelism they all-gather the sequence before, and reduce-scatter it after).
+They do nothing beyond the plain einsum unless a layout installs its hooks with `layout_hooks`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class ModelHooks(Protocol):
     def constrain(self, x: jax.Array, names: tuple) -> jax.Array: ...
 
     def expert_all_to_all(self, x_EGCD: jax.Array, inverse: bool) -> jax.Array: ...
+
+    def column_parallel(self, equation: str, x: jax.Array, w: jax.Array, names: tuple, out_dtype) -> jax.Array: ...
+
+    def row_parallel(self, equation: str, h: jax.Array, w: jax.Array, names: tuple) -> jax.Array: ...
 
 
 _hooks: contextvars.ContextVar[ModelHooks | None] = contextvars.ContextVar("jaxpar_layout", default=None)
@@ -53,6 +59,13 @@ def logical_names(variable: nnx.Variable, ndim: int) -> tuple:
     an optimizer statistic of another rank, such as Adafactor's factored moments)."""
     names = tuple(variable.get_metadata().get("out_sharding") or ())
     return names if len(names) == ndim else (None,) * ndim
+
+
+def weight_names(weight: nnx.Variable, ndim: int) -> tuple:
+    """The logical names of a weight as a layer uses it: inside the layer scan a stacked weight's
+    slice has lost its leading 'layers' dimension, and its names lose 'layers' with it."""
+    names = tuple(weight.get_metadata().get("out_sharding") or ())
+    return names[1:] if len(names) == ndim + 1 and names[0] == "layers" else logical_names(weight, ndim)
 
 
 def is_stacked(variable: nnx.Variable) -> bool:
@@ -83,6 +96,28 @@ def expert_all_to_all(x_EGCD: jax.Array, inverse: bool) -> jax.Array:
     """Expert parallelism: (E, groups, C, D) -> (local experts, groups of every shard, C, D), or back."""
     hooks = _hooks.get()
     return x_EGCD if hooks is None else hooks.expert_all_to_all(x_EGCD, inverse)
+
+
+def column_parallel(equation: str, x: jax.Array, weight: nnx.Variable, x_names: tuple, out_names: tuple,
+                    out_dtype=None) -> jax.Array:
+    """einsum(equation, x, weight) for a weight split by output columns over tensor ranks (Q/K/V,
+    MLP up, logits); x is the residual stream, named `x_names`, the result `out_names`."""
+    w = weight[...]
+    hooks = _hooks.get()
+    if hooks is None:
+        return jax.numpy.einsum(equation, x, w, preferred_element_type=out_dtype)
+    names = (x_names, weight_names(weight, w.ndim), out_names)
+    return hooks.column_parallel(equation, x, w, names, out_dtype)
+
+
+def row_parallel(equation: str, h: jax.Array, weight: nnx.Variable, h_names: tuple, out_names: tuple) -> jax.Array:
+    """einsum(equation, h, weight) for a weight split by input rows over tensor ranks (attention
+    output, MLP down): the partial sums of every rank are added into the residual stream."""
+    w = weight[...]
+    hooks = _hooks.get()
+    if hooks is None:
+        return jax.numpy.einsum(equation, h, w)
+    return hooks.row_parallel(equation, h, w, (h_names, weight_names(weight, w.ndim), out_names))
 
 
 @contextlib.contextmanager

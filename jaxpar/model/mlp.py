@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.axes import constrain, param
+from jaxpar.model.axes import column_parallel, constrain, param, row_parallel
 
 
 class MLP(nnx.Module):
@@ -29,10 +28,11 @@ class MLP(nnx.Module):
         self.w_down = param(rngs.params(), (F, D), ("mlp", "embed"), F ** -0.5 / math.sqrt(2 * cfg.n_layers))
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        residual, hidden = ("batch", "residual_seq", "embed"), ("batch", "seq", "mlp")
         if self.gated:
-            gate_up_BLQF = jnp.einsum("BLD,DQF->BLQF", x_BLD, self.w_gate_up[...])
+            gate_up_BLQF = column_parallel("BLD,DQF->BLQF", x_BLD, self.w_gate_up, residual, ("batch", "seq", None, "mlp"))
             h_BLF = jax.nn.silu(gate_up_BLQF[:, :, 0]) * gate_up_BLQF[:, :, 1]
         else:
-            h_BLF = jax.nn.gelu(jnp.einsum("BLD,DF->BLF", x_BLD, self.w_up[...]))
-        h_BLF = constrain(h_BLF, ("batch", "seq", "mlp"))
-        return constrain(jnp.einsum("BLF,FD->BLD", h_BLF, self.w_down[...]), ("batch", "residual_seq", "embed"))
+            h_BLF = jax.nn.gelu(column_parallel("BLD,DF->BLF", x_BLD, self.w_up, residual, hidden))
+        h_BLF = constrain(h_BLF, hidden)
+        return constrain(row_parallel("BLF,FD->BLD", h_BLF, self.w_down, hidden, residual), residual)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.attention import Attention
-from jaxpar.model.axes import constrain, param
+from jaxpar.model.axes import column_parallel, constrain, param
 from jaxpar.model.layers import RMSNorm
 from jaxpar.model.mlp import MLP
 from jaxpar.model.moe import MoE
@@ -101,11 +101,12 @@ class Transformer(nnx.Module):
         """Final norm and output projection (tied to the embedding unless untied): -> (B, L, V) fp32
         logits, accumulated in fp32 whatever the compute dtype (the loss's softmax needs them)."""
         x_BLD = self.final_norm(x_BLD)
+        residual, names = ("batch", "residual_seq", "embed"), ("batch", "seq", "vocab")
         if self.head is None:
-            logits_BLV = jnp.einsum("BLD,VD->BLV", x_BLD, self.embedding[...], preferred_element_type=jnp.float32)
+            logits_BLV = column_parallel("BLD,VD->BLV", x_BLD, self.embedding, residual, names, jnp.float32)
         else:
-            logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, self.head[...], preferred_element_type=jnp.float32)
-        return constrain(logits_BLV, ("batch", "seq", "vocab"))
+            logits_BLV = column_parallel("BLD,DV->BLV", x_BLD, self.head, residual, names, jnp.float32)
+        return constrain(logits_BLV, names)
 
     def run_blocks(self, x_BLD: jax.Array, scan: LayerScan | None = None, layer_ids: jax.Array | None = None,
                    noise_B: jax.Array | None = None):

@@ -12,10 +12,17 @@ Two implementations, both complete:
   collectives by hand. ZeRO-3 all-gathers the shard (its VJP reduce-scatters); ZeRO-2 holds
   the full replicated weight, differentiates this device's slice, and a custom VJP gives the
   slice its reduce-scattered gradient.
+
+Both run the model's column- and row-parallel matmuls. Under sequence parallelism, where no
+enclosing shard_map is manual, each is a shard_map over tensor and the batch axes with its
+collective by hand (an all-gather of the sequence before, a reduce-scatter after) and a
+custom VJP; inside a pipeline or expert shard_map the residual stream's constraints leave them
+to the partitioner.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import TYPE_CHECKING
@@ -78,9 +85,40 @@ class _Hooks:
         """What the step differentiates: the parameters as stored."""
         return params
 
-    def _expand(self, variable: nnx.Variable, path: tuple, layer: jax.Array | None) -> nnx.Variable:
-        """The full weight of `variable` (the parameter at `path`, or its slice for stacked layer `layer`)."""
-        raise NotImplementedError
+    # ---- the matmuls into and out of a tensor-parallel region -----------------------------
+    def column_parallel(self, equation, x, w, names, out_dtype=None):
+        """A column-split matmul. Under sequence parallelism the residual stream x arrives split
+        along the sequence and is all-gathered first (its gradient reduce-scattered back)."""
+        if not self._sequence_by_hand():
+            return jnp.einsum(equation, x, w, preferred_element_type=out_dtype)
+        return self._over_tensor(equation, x, w, names, out_dtype, scatter=False)
+
+    def row_parallel(self, equation, h, w, names):
+        """A row-split matmul. Under sequence parallelism its partial sums are reduce-scattered
+        along the sequence (in place of the all-reduce), in fp32."""
+        if not self._sequence_by_hand():
+            return jnp.einsum(equation, h, w)
+        return self._over_tensor(equation, h, w, names, None, scatter=True)
+
+    def _sequence_by_hand(self) -> bool:
+        """Sequence parallelism's collectives are written by hand where no enclosing shard_map is
+        manual over any axis. Inside one (a pipeline, expert parallelism) a nested shard_map
+        over `tensor` trips a check in XLA (manual axes out of mesh order, jax 0.12.0.1), so
+        there the residual stream's sharding constraints leave the collectives to the partitioner."""
+        return self.layout.sequence_parallel and not (self.in_step and self.layout.manual)
+
+    def _over_tensor(self, equation, x, w, names, out_dtype, scatter: bool):
+        """The matmul written per tensor rank in a shard_map (manual over tensor and the batch
+        axes), with the sequence collective by hand: XLA's CPU partitioner lowers a constrained
+        reduction as all-reduce + slice, never as the reduce-scatter Megatron's sequence
+        parallelism is made of."""
+        data = tuple(self.layout.data_axes)
+        others = tuple(a for a in self.layout.sizes if a not in (*data, "tensor"))
+        x_spec, w_spec, out_spec = (without_axes(logical_to_spec(n, self.layout.rules), others) for n in names)
+        seq_dim = (names[2] if scatter else names[0]).index("residual_seq")
+        op = _SequenceMatmul(equation, self.layout.mesh, data, x_spec, w_spec, out_spec, seq_dim, scatter, out_dtype)
+        out = _sequence_matmul(op, x, w)
+        return out.astype(x.dtype) if scatter else out
 
 
 class PartitionerHooks(_Hooks):
@@ -243,3 +281,80 @@ def _gathered_bwd(dtype, dim, axes, like, grad):
 
 
 _gathered_in.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SequenceMatmul:
+    """One sequence-parallel matmul: `equation` on x and a tensor-split weight w, per rank.
+    Column (scatter=False): x arrives split along the sequence (dimension seq_dim) and is
+    all-gathered first. Row (scatter=True): the partial sums are reduce-scattered along it, in fp32."""
+
+    equation: str
+    mesh: jax.sharding.Mesh
+    data: tuple[str, ...]  # the batch axes (size > 1), manual here too
+    x_spec: PartitionSpec
+    w_spec: PartitionSpec
+    out_spec: PartitionSpec
+    seq_dim: int
+    scatter: bool
+    out_dtype: object
+
+    def per_rank(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names={*self.data, "tensor"}, check_vma=False)
+
+    def gather(self, x):
+        return jax.lax.all_gather(x, "tensor", axis=self.seq_dim, tiled=True)
+
+    def scatter_sum(self, x):
+        return jax.lax.psum_scatter(x.astype(jnp.float32), "tensor", scatter_dimension=self.seq_dim, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sequence_matmul(op: _SequenceMatmul, x, w):
+    """A sequence-parallel matmul (the row form returns fp32 sums)."""
+    return _sequence_matmul_fwd(op, x, w)[0]
+
+
+def _sequence_matmul_fwd(op, x, w):
+    """Forward; keeps what backward multiplies with: the column form's gathered input (so
+    backward needs no second all-gather and moves the bytes of the all-reduces it replaces; a
+    remat policy that drops a layer's residuals recomputes it), the row form's own input."""
+    def forward(x, w):
+        if op.scatter:
+            return op.scatter_sum(jnp.einsum(op.equation, x, w, preferred_element_type=jnp.float32)), x
+        x_in = op.gather(x)
+        return jnp.einsum(op.equation, x_in, w, preferred_element_type=op.out_dtype), x_in
+
+    in_spec = op.x_spec if op.scatter else _without_dim(op.x_spec, op.seq_dim)
+    out, x_in = op.per_rank(forward, (op.x_spec, op.w_spec), (op.out_spec, in_spec))(x, w)
+    return out, (x_in, w)
+
+
+def _sequence_matmul_bwd(op, residuals, grad):
+    """Backward by hand, in the compute dtype with fp32 sums: the column form reduce-scatters dx,
+    the row form all-gathers the incoming gradient. Each batch shard's partial weight gradient
+    is returned on a leading axis and summed in fp32 outside, where the partitioner reduces it
+    like any other weight gradient (a bf16 sum inside would abort XLA:CPU)."""
+    x_in, w = residuals
+
+    def backward(x_in, w, grad):
+        grad = grad.astype(x_in.dtype)
+        grad_in = op.gather(grad) if op.scatter else grad
+        _, pullback = jax.vjp(lambda a, b: jnp.einsum(op.equation, a, b), x_in, w)
+        dx_in, dw = pullback(grad_in)
+        dx = dx_in if op.scatter else op.scatter_sum(dx_in).astype(x_in.dtype)
+        return dx, dw[None].astype(jnp.float32)
+
+    in_spec = op.x_spec if op.scatter else _without_dim(op.x_spec, op.seq_dim)
+    dw_spec = PartitionSpec(op.data or None, *op.w_spec)
+    dx, dw_parts = op.per_rank(backward, (in_spec, op.w_spec, op.out_spec), (op.x_spec, dw_spec))(x_in, w, grad)
+    return dx, dw_parts.sum(0).astype(w.dtype)
+
+
+def _without_dim(spec: PartitionSpec, dim: int) -> PartitionSpec:
+    """`spec` with dimension `dim` whole (the sequence after the all-gather)."""
+    return PartitionSpec(*(None if i == dim else e for i, e in enumerate(spec)))
+
+
+_sequence_matmul.defvjp(_sequence_matmul_fwd, _sequence_matmul_bwd)

@@ -105,6 +105,11 @@ class Layout:
                    1 if manual_data else batch_ways, types.MappingProxyType(weights), tuple(layer_weights_at))
 
     @property
+    def sequence_parallel(self) -> bool:
+        """Whether the residual stream is split along the sequence over a tensor axis of size > 1."""
+        return self.rules.get("residual_seq") == "tensor" and self.sizes.get("tensor", 1) > 1
+
+    @property
     def pipelined(self) -> bool:
         return self.sizes.get("stage", 1) > 1
 
