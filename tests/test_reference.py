@@ -1,10 +1,13 @@
 """jaxpar's single-device training step against an independent hand-written reference.
 
-tests/reference_model.py re-implements the dense transformer, the loss and clipped AdamW on a
-warmup + cosine schedule in plain jax.numpy. Both sides start from jaxpar's initial weights
-(matched by parameter path) and train five steps on the same batches of real text; the
-schedule is set so that warmup, cosine decay and clipping all act.
+tests/reference_model.py re-implements the dense transformer (GPT-style, and Llama-style with
+grouped-query or multi-query attention, SwiGLU and its own rotary base and norm epsilon), the loss
+and clipped AdamW on a warmup + cosine schedule in plain jax.numpy. Both sides start from jaxpar's
+initial weights (matched by parameter path) and train five steps on the same batches of real
+text; the schedule is set so that warmup, cosine decay and clipping all act.
 """
+
+import functools
 
 import chex
 import jax
@@ -45,21 +48,26 @@ def run_jaxpar(session):
 
 def run_reference(initial: dict, session):
     """Five steps of the reference from the same weights on the same batches."""
-    t = session.cfg.train
+    t, m = session.cfg.train, session.cfg.model
     o = ref.OptimConfig(lr=t.lr, warmup=t.warmup, horizon=t.steps, clip_norm=t.clip_norm,
                         weight_decay=t.weight_decay)
-    step = jax.jit(ref.train_step, static_argnums=3)
+    step = jax.jit(functools.partial(ref.train_step, o=o, rope_base=m.rope_theta, norm_eps=m.norm_eps))
     params = {name: jax.numpy.asarray(value) for name, value in initial.items()}
     opt, metrics = ref.init_optimizer(params), []
     for index in range(STEPS):
-        params, opt, step_metrics = step(params, opt, session.train_data.batch(index), o)
+        params, opt, step_metrics = step(params, opt, session.train_data.batch(index))
         metrics.append(step_metrics)
     return jax.device_get(params), jax.device_get(metrics)
 
 
+LLAMA = ["model.n_kv_heads=2", "model.mlp=swiglu", "model.rope_theta=500000", "model.norm_eps=1e-6",
+         "model.tie_embeddings=false", "model.d_ff=96"]
+
+
 @pytest.mark.parametrize("model", [["model.positions=rope", "model.tie_embeddings=true"],
-                                   ["model.positions=learned", "model.tie_embeddings=false"]],
-                         ids=["rope-tied", "learned-untied"])
+                                   ["model.positions=learned", "model.tie_embeddings=false"],
+                                   LLAMA, [*LLAMA, "model.n_kv_heads=1"]],
+                         ids=["rope-tied", "learned-untied", "llama", "llama-mqa"])
 def test_single_device_step_matches_reference(session_for, model):
     session = session_for(*SETTINGS, *model)
     initial, final, metrics = run_jaxpar(session)
