@@ -29,11 +29,23 @@ class Collective:
     computation: str
     in_loop: bool
     count: int  # executions per step: the product of the trip counts of the loops around it
+    group_size: int  # devices taking part in each of its groups
 
     @property
     def total_bytes(self) -> int:
         """Payload bytes moved per step by this op, loops unrolled."""
         return self.bytes * self.count
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes each device sends per execution with a bandwidth-optimal algorithm (ring): the
+        measure on which a reduce-scatter plus an all-gather cost what one all-reduce costs.
+        `bytes` is the result: the whole buffer for an all-reduce or all-gather, one shard for a
+        reduce-scatter."""
+        n = self.group_size
+        share = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1,
+                 "all-to-all": (n - 1) / n, "collective-permute": 1}[self.op]
+        return round(self.bytes * share)
 
 
 def _first_group(rest: str, n_devices: int) -> list[int] | None:
@@ -79,14 +91,15 @@ def collectives(hlo: str | Module, mesh_shape: dict[str, int]) -> list[Collectiv
                 continue
             group = _first_group(inst.rest, n_devices)
             shapes = tuple(f"{dtype}[{','.join(map(str, dims))}]" for dtype, dims in array_shapes(inst.shape))
+            size = 2 if op == "collective-permute" else len(group)  # a permute sends its buffer once
             found.append(Collective(op, nbytes(inst.shape), shapes, _axes_spanned(group, mesh_shape), name,
-                                    name in loop_bodies, module.executions(name)))
+                                    name in loop_bodies, module.executions(name), size))
     return found
 
 
-def bytes_by_op(found: list[Collective]) -> dict[str, int]:
-    """Total payload bytes per step for each collective kind."""
+def bytes_by_op(found: list[Collective], wire: bool = False) -> dict[str, int]:
+    """Total payload bytes per step for each collective kind (wire: bytes each device sends)."""
     totals = {op: 0 for op in COLLECTIVE_OPS}
     for c in found:
-        totals[c.op] += c.total_bytes
+        totals[c.op] += (c.wire_bytes if wire else c.bytes) * c.count
     return totals

@@ -58,8 +58,11 @@ def measure_step(trainer) -> dict:
         "executed_flops_per_stage": per_stage,
         "xla_cost_flops": float(cost.get("flops", 0.0)),
         "collectives": bytes_by_op(found),
+        # what each device sends per step (ring algorithms): reduce-scatter + all-gather = all-reduce
+        "collective_wire_bytes": bytes_by_op(found, wire=True),
         "collective_ops": [
-            {"op": c.op, "mesh_axes": list(c.mesh_axes), "bytes": c.bytes, "count": c.count} for c in found],
+            {"op": c.op, "mesh_axes": list(c.mesh_axes), "bytes": c.bytes, "wire_bytes": c.wire_bytes,
+             "count": c.count} for c in found],
     }
 
 
@@ -70,18 +73,23 @@ def format_report(plan: dict) -> str:
             ("gradients (after reduction)", plan["grads_bytes"]), ("temporaries / activations", plan["temp_bytes"]),
             ("arguments (state + batch)", plan["argument_bytes"]), ("outputs", plan["output_bytes"]),
             ("total (arguments + temporaries)", plan["argument_bytes"] + plan["temp_bytes"])]
-    lines = ["per device                        bytes          MiB"]
-    lines += [f"{name:<30}{value:>12,d}{value / mib:>12.2f}" for name, value in rows]
-    lines.append(f"{'matmul FLOPs per step':<30}{plan['flops']:>12.4g}")
+    lines = [f"{'per device':<32}{'bytes':>18}{'MiB':>12}"]
+    lines += [f"{name:<32}{value:>18,d}{value / mib:>12.2f}" for name, value in rows]
+    lines.append(f"{'matmul FLOPs per step':<32}{plan['flops']:>18.4g}")
     if len(plan["executed_flops_per_stage"]) > 1:
-        lines.append(f"{'  executed (mean of devices)':<30}{plan['executed_flops']:>12.4g}")
+        lines.append(f"{'  executed (mean of devices)':<32}{plan['executed_flops']:>18.4g}")
         for stage, flops in enumerate(plan["executed_flops_per_stage"]):
-            lines.append(f"{f'  executed by stage {stage}':<30}{flops:>12.4g}")
+            lines.append(f"{f'  executed by stage {stage}':<32}{flops:>18.4g}")
     lines.append("")
-    lines.append("collective            mesh axes        count   bytes/step")
+    lines.append(f"{'collective':<18}{'mesh axes':<14}{'count':>6}{'bytes/step':>20}{'sent bytes/step':>20}")
     for c in plan["collective_ops"]:
         axes = ",".join(c["mesh_axes"]) or "-"
-        lines.append(f"{c['op']:<22}{axes:<16}{c['count']:>6d}{c['bytes'] * c['count']:>13,d}")
-    if not plan["collective_ops"]:
+        lines.append(f"{c['op']:<18}{axes:<14}{c['count']:>6d}{c['bytes'] * c['count']:>20,d}"
+                     f"{c['wire_bytes'] * c['count']:>20,d}")
+    if plan["collective_ops"]:
+        sent = sum(plan["collective_wire_bytes"].values())
+        lines.append(f"{'total':<38}{sum(plan['collectives'].values()):>20,d}{sent:>20,d}")
+        lines.append("(bytes: each result's size; sent: what each device sends with ring algorithms)")
+    else:
         lines.append("(none)")
     return "\n".join(lines)
