@@ -91,7 +91,11 @@ class Transformer(nnx.Module):
         # The tokens stay whole along the sequence: sharding them like the residual stream would make
         # the partitioner shift their halo (the T -> L slice) with a collective-permute.
         tokens_BL = constrain(tokens_BL, ("batch", "seq"))
-        x_BLD = constrain(jnp.take(self.embedding[...], tokens_BL, axis=0), ("batch", "residual_seq", "embed"))
+        # The lookup as tensor parallelism does it (each rank its vocabulary rows, then a sum), and
+        # only then split along the sequence: asked for split output directly, the partitioner
+        # gathers the whole vocabulary-split table instead.
+        x_BLD = constrain(jnp.take(self.embedding[...], tokens_BL, axis=0), ("batch", "seq", "embed"))
+        x_BLD = constrain(x_BLD, ("batch", "residual_seq", "embed"))
         if self.pos_embedding is not None:
             x_BLD = x_BLD + self.pos_embedding[...][: tokens_BL.shape[1]][None]
             x_BLD = constrain(x_BLD, ("batch", "residual_seq", "embed"))
