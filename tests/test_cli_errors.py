@@ -55,6 +55,19 @@ BAD_INPUTS = {
     "negative seed": (["train.seed=-1"], "train.seed must be between 0 and 2**63 - 1, got -1."),
     "non-finite learning rate": (["train.lr=nan"], "train.lr must be a finite number, got nan."),
     "empty data source": (["data.source="], "data.source must be a non-empty path"),
+    "kv heads not dividing heads": (["model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
+    "cudnn attention on cpu": (["model.attention=cudnn", "train.precision=bf16"],
+                               "model.attention=cudnn needs an NVIDIA GPU, but the devices are cpu"),
+    "cudnn attention in fp32": (["model.attention=cudnn"],
+                                "model.attention=cudnn needs train.precision=bf16 or fp16"),
+    "flash block not dividing seq_len": (["model.attention=flash", "model.seq_len=96", "model.flash_block_q=64"],
+                                         "model.flash_block_q=64 does not divide model.seq_len=96"),
+    "sequence with seq_len not divisible by tensor": (
+        ["mesh.data=2", "mesh.tensor=4", "parallel.sequence=true", "model.seq_len=126"],
+        "parallel.sequence=true splits model.seq_len=126 over mesh.tensor=4, which does not divide it"),
+    "sequence with kv heads not divisible by tensor": (
+        ["mesh.data=2", "mesh.tensor=4", "parallel.sequence=true", "model.n_kv_heads=2"],
+        "parallel.sequence=true needs the 2 key/value heads (model.n_kv_heads) to be divisible by mesh.tensor=4"),
 }
 
 
