@@ -23,6 +23,8 @@ LAYOUTS = {
     "mqa kv=1, data=4 x tensor=2": ("model.n_kv_heads=1", "mesh.data=4", "mesh.tensor=2"),
     "flash 8/16, data=8": (*FLASH, "mesh.data=8"),
     "sequence, data=4 x tensor=2": ("parallel.sequence=true", "mesh.data=4", "mesh.tensor=2"),
+    "sequence + zero=3, data=4 x tensor=2": ("parallel.sequence=true", "parallel.zero=3", "mesh.data=4",
+                                             "mesh.tensor=2"),
     "sequence, data=2 x tensor=2 x stage=2": ("parallel.sequence=true", "mesh.data=2", "mesh.tensor=2",
                                               "mesh.stage=2"),
     # swiglu is verified here (and against the independent reference in test_reference.py)
