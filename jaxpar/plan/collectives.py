@@ -101,5 +101,5 @@ def bytes_by_op(found: list[Collective], wire: bool = False) -> dict[str, int]:
     """Total payload bytes per step for each collective kind (wire: bytes each device sends)."""
     totals = {op: 0 for op in COLLECTIVE_OPS}
     for c in found:
-        totals[c.op] += (c.wire_bytes if wire else c.bytes) * c.count
+        totals[c.op] += c.wire_bytes * c.count if wire else c.total_bytes
     return totals
