@@ -105,7 +105,12 @@ class _Hooks:
         manual over any axis. Inside one (a pipeline, expert parallelism) a nested shard_map
         over `tensor` trips a check in XLA (manual axes out of mesh order, jax 0.12.0.1), so
         there the residual stream's sharding constraints leave the collectives to the partitioner."""
-        return self.layout.sequence_parallel and not (self.in_step and self.layout.manual)
+        return self.layout.sequence_parallel and not self._in_shard_map
+
+    @property
+    def _in_shard_map(self) -> bool:
+        """Whether the hooks run inside the step's shard_map (manual over some axes)."""
+        return self.in_step and bool(self.layout.manual)
 
     def _over_tensor(self, equation, x, w, names, out_dtype, scatter: bool):
         """The matmul written per tensor rank in a shard_map (manual over tensor and the batch
@@ -132,7 +137,7 @@ class PartitionerHooks(_Hooks):
 
     def _sharding(self, spec: PartitionSpec):
         # Inside a pipeline's shard_map (manual over `stage`), a bare spec of the automatic axes.
-        if self.in_step and self.layout.manual:
+        if self._in_shard_map:
             return without_axes(spec, self.layout.manual)
         return NamedSharding(self.layout.mesh, spec)
 
@@ -306,6 +311,12 @@ class _SequenceMatmul:
     def gather(self, x):
         return jax.lax.all_gather(x, "tensor", axis=self.seq_dim, tiled=True)
 
+    @property
+    def input_spec(self) -> PartitionSpec:
+        """The spec of what the matmul multiplies with: the column form's gathered (whole-sequence)
+        input, the row form's own."""
+        return self.x_spec if self.scatter else _without_dim(self.x_spec, self.seq_dim)
+
     def scatter_sum(self, x):
         return jax.lax.psum_scatter(x.astype(jnp.float32), "tensor", scatter_dimension=self.seq_dim, tiled=True)
 
@@ -326,8 +337,7 @@ def _sequence_matmul_fwd(op, x, w):
         x_in = op.gather(x)
         return jnp.einsum(op.equation, x_in, w, preferred_element_type=op.out_dtype), x_in
 
-    in_spec = op.x_spec if op.scatter else _without_dim(op.x_spec, op.seq_dim)
-    out, x_in = op.per_rank(forward, (op.x_spec, op.w_spec), (op.out_spec, in_spec))(x, w)
+    out, x_in = op.per_rank(forward, (op.x_spec, op.w_spec), (op.out_spec, op.input_spec))(x, w)
     return out, (x_in, w)
 
 
@@ -346,9 +356,8 @@ def _sequence_matmul_bwd(op, residuals, grad):
         dx = dx_in if op.scatter else op.scatter_sum(dx_in).astype(x_in.dtype)
         return dx, dw[None].astype(jnp.float32)
 
-    in_spec = op.x_spec if op.scatter else _without_dim(op.x_spec, op.seq_dim)
     dw_spec = PartitionSpec(op.data or None, *op.w_spec)
-    dx, dw_parts = op.per_rank(backward, (in_spec, op.w_spec, op.out_spec), (op.x_spec, dw_spec))(x_in, w, grad)
+    dx, dw_parts = op.per_rank(backward, (op.input_spec, op.w_spec, op.out_spec), (op.x_spec, dw_spec))(x_in, w, grad)
     return dx, dw_parts.sum(0).astype(w.dtype)
 
 
