@@ -159,15 +159,20 @@ def table_c2() -> dict:
                                 f"train.remat={remat}"])
                 out["temp"][remat][key][n] = {"temp_bytes": plan["temp_bytes"]}
                 if n == COLLECTIVE_L:
-                    by_axes: dict[str, dict[str, int]] = {op: {} for op in COLLECTIVES}
-                    for c in plan["collective_ops"]:
-                        if c["op"] in by_axes:
-                            axes = "+".join(c["mesh_axes"]) or "none"
-                            by_axes[c["op"]][axes] = by_axes[c["op"]].get(axes, 0) + c["bytes"] * c["count"]
-                    out["collectives"][remat][key] = {
-                        "total": {op: plan["collectives"][op] for op in COLLECTIVES},
-                        "sent": {op: plan["collective_wire_bytes"][op] for op in COLLECTIVES}, "by_axes": by_axes}
+                    out["collectives"][remat][key] = collective_bytes(plan)
     return out
+
+
+def collective_bytes(plan: dict) -> dict:
+    """A plan's reduce-scatter / all-reduce / all-gather bytes per step: result sizes ("total"),
+    bytes each device sends ("sent"), and result sizes by the mesh axes each op spans."""
+    by_axes: dict[str, dict[str, int]] = {op: {} for op in COLLECTIVES}
+    for c in plan["collective_ops"]:
+        if c["op"] in by_axes:
+            axes = "+".join(c["mesh_axes"]) or "none"
+            by_axes[c["op"]][axes] = by_axes[c["op"]].get(axes, 0) + c["bytes"] * c["count"]
+    return {"total": {op: plan["collectives"][op] for op in COLLECTIVES},
+            "sent": {op: plan["collective_wire_bytes"][op] for op in COLLECTIVES}, "by_axes": by_axes}
 
 
 def markdown_a(rows: list[dict]) -> str:
