@@ -111,6 +111,17 @@ class TrainConfig:
     loss_scale_window: int = 2000
     lr_schedule_steps: int = 0  # horizon of the warmup+cosine schedule; 0 means train.steps
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    # pinned host memory for the optimizer state (brought to the device for the update), for the
+    # layer inputs that full remat keeps (the remat policy offloads them), or for both
+    offload: Literal["none", "optimizer", "activations", "both"] = "none"
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload in ("optimizer", "both")
+
+    @property
+    def offloads_activations(self) -> bool:
+        return self.offload in ("activations", "both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +142,16 @@ class ParallelConfig:
     # Megatron sequence parallelism: between blocks the residual stream is split over mesh.tensor along
     # the sequence (all-gathered before the column-parallel matmuls, reduce-scattered after the row-parallel ones)
     sequence: bool = False
+    # the payload dtype of data-parallel gradient all-reduces and reduce-scatters (bf16: half the bytes);
+    # the reduced gradient is accumulated into the fp32 master in fp32 either way
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # local SGD (DiLoCo): each data-parallel replica takes sync_every optimizer steps on its own rows, then
+    # the replicas synchronize: `avg` averages their weights, `nesterov` takes an outer Nesterov step of
+    # outer_lr and outer_momentum on the averaged change. 1: synchronous data parallelism
+    sync_every: int = 1
+    outer: Literal["avg", "nesterov"] = "avg"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     pipeline: PipelineConfig = PipelineConfig()
 
 

@@ -49,6 +49,12 @@ class Session:
             parts.append(f"zero={parallel.zero}")
         if parallel.sequence:
             parts.append("sequence")
+        if parallel.grad_reduce_dtype != "fp32":
+            parts.append(f"grad_reduce={parallel.grad_reduce_dtype}")
+        if parallel.sync_every > 1:
+            parts.append(f"sync_every={parallel.sync_every} outer={parallel.outer}")
+        if t.offload != "none":
+            parts.append(f"offload={t.offload}")
         if self.cfg.model.attention != "dot":
             parts.append(f"attention={self.cfg.model.attention}")
         if t.grad_accum > 1:

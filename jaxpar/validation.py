@@ -166,6 +166,30 @@ def _validate_attention(cfg: Config, sizes: dict[str, int]) -> None:
                           f"which does not divide it.")
 
 
+def _validate_offload_and_local_sgd(cfg: Config, sizes: dict[str, int]) -> None:
+    t, p = cfg.train, cfg.parallel
+    if t.offloads_activations and t.remat == "sqrt":
+        raise ConfigError("train.offload=activations offloads each layer's input, but train.remat=sqrt keeps segment "
+                          "inputs instead; use train.remat none, full or dots with it.")
+    if p.sync_every < 1:
+        raise ConfigError(f"parallel.sync_every must be 1 (synchronous) or more, got {p.sync_every}.")
+    if p.outer_lr <= 0 or not 0 <= p.outer_momentum < 1:
+        raise ConfigError("parallel.outer_lr must be positive and parallel.outer_momentum in [0, 1).")
+    if p.sync_every == 1:
+        return
+    if sizes["data"] == 1:
+        raise ConfigError(f"parallel.sync_every={p.sync_every} (local SGD) needs data-parallel replicas: mesh.data > 1.")
+    others = {"parallel.zero": p.zero != 0, "mesh.expert": sizes["expert"] > 1, "mesh.stage": sizes["stage"] > 1,
+              "parallel.sequence": p.sequence, "parallel.grad_reduce_dtype": p.grad_reduce_dtype != "fp32",
+              "train.offload": t.offload != "none", "train.grad_accum": t.grad_accum > 1,
+              "model.moe.experts": cfg.model.moe.experts > 0}
+    clash = [key for key, set_ in others.items() if set_]
+    if clash:
+        raise ConfigError(f"parallel.sync_every={p.sync_every} (local SGD: whole replicas over mesh.data, tensor "
+                          f"parallelism inside each) does not combine with {', '.join(clash)}; leave "
+                          f"{'it' if len(clash) == 1 else 'them'} at the default.")
+
+
 def check_attention_platform(cfg: Config, platform: str) -> None:
     """model.attention=cudnn runs on NVIDIA GPUs only."""
     if cfg.model.attention == "cudnn" and platform != "gpu":
@@ -257,6 +281,7 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str,
             f" = {sizes['data']} x {sizes['expert']} x {t.grad_accum}.")
     _validate_pipeline(cfg, sizes)
     _validate_moe(cfg, sizes)
+    _validate_offload_and_local_sgd(cfg, sizes)
     if cfg.parallel.zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {cfg.parallel.zero}.")
     if not 0 <= t.seed <= MAX_SEED:

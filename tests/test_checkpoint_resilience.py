@@ -258,10 +258,10 @@ def test_a_fallback_trims_metrics_to_the_restored_step_and_keeps_the_file(tmp_pa
     from jaxpar.config import load_config
     from jaxpar.train.loop import trim_metrics
 
-    t = load_config(BASE[0], [*BASE[1:], "train.steps=10"]).train
+    cfg = load_config(BASE[0], [*BASE[1:], "train.steps=10"])
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": step, "loss": 10.0 - step}) + "\n" for step in range(1, 11)))
-    assert [r["step"] for r in trim_metrics(path, 4, t)] == [1, 2, 3, 4]
+    assert [r["step"] for r in trim_metrics(path, 4, cfg)] == [1, 2, 3, 4]
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"step": step, "loss": 10.0 - step} for step in range(1, 5)]
-    assert trim_metrics(path, 0, t) == [] and path.read_text() == ""  # step 0: emptied, not deleted
+    assert trim_metrics(path, 0, cfg) == [] and path.read_text() == ""  # step 0: emptied, not deleted

@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.model.axes import path_names
+from jaxpar.parallel.reductions import scattered
 from jaxpar.parallel.rules import logical_to_spec
 from jaxpar.parallel.zero import without_axes
 
@@ -203,10 +204,11 @@ class ManualHooks(_Hooks):
             d -= 1  # a layer's slice of a stacked weight has no 'layers' dimension
         if self.layout.zero >= 3:
             dtype = self.layout.compute_dtype if jnp.issubdtype(shard.dtype, jnp.floating) else shard.dtype
-            return variable.replace(_gathered_in(shard, dtype, d, axes))
+            return variable.replace(_gathered_in(shard, dtype, d, axes, self.layout.reduce_dtype))
         full = self.replicas[path]
         full = full if layer is None else jax.lax.dynamic_index_in_dim(full, layer, keepdims=False)
-        return variable.replace(_replica_with_scattered_grad(shard, full.astype(shard.dtype), d, axes))
+        return variable.replace(_replica_with_scattered_grad(shard, full.astype(shard.dtype), d, axes,
+                                                             self.layout.reduce_dtype))
 
 
 def _local_slice(value: jax.Array, dim: int, axes: tuple[str, ...], sizes) -> jax.Array:
@@ -250,39 +252,38 @@ def _gradient_constrained_bwd(sharded, _, grad):
 _gradient_constrained.defvjp(_gradient_constrained_fwd, _gradient_constrained_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _replica_with_scattered_grad(shard, full, dim, axes):
-    """Forward: the full (replicated) weight. Backward: its gradient reduce-scattered onto `shard`."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _replica_with_scattered_grad(shard, full, dim, axes, payload):
+    """Forward: the full (replicated) weight. Backward: its gradient reduce-scattered onto `shard`,
+    sent as `payload` (parallel.grad_reduce_dtype)."""
     return full
 
 
-def _replica_fwd(shard, full, dim, axes):
+def _replica_fwd(shard, full, dim, axes, payload):
     return full, None
 
 
-def _replica_bwd(dim, axes, _, grad):
-    summed = jax.lax.psum_scatter(grad.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
-    return summed.astype(grad.dtype), None
+def _replica_bwd(dim, axes, payload, _, grad):
+    return scattered(grad, axes, dim, payload).astype(grad.dtype), None
 
 
 _replica_with_scattered_grad.defvjp(_replica_fwd, _replica_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gathered_in(shard, dtype, dim, axes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gathered_in(shard, dtype, dim, axes, payload):
     """Forward: the full weight, all-gathered in the compute dtype (half the bytes of fp32 in
-    bf16). Backward: its gradient reduce-scattered in fp32 onto the shard, in the shard's dtype
-    (fp32 sums are what mixed precision wants, and XLA:CPU aborts on a bf16 reduce-scatter)."""
+    bf16). Backward: its gradient reduce-scattered onto the shard, sent as `payload`
+    (parallel.grad_reduce_dtype; fp32 by default whatever the compute dtype), in the shard's dtype."""
     return jax.lax.all_gather(shard.astype(dtype), axes, axis=dim, tiled=True)
 
 
-def _gathered_fwd(shard, dtype, dim, axes):
-    return _gathered_in(shard, dtype, dim, axes), jnp.zeros((), shard.dtype)
+def _gathered_fwd(shard, dtype, dim, axes, payload):
+    return _gathered_in(shard, dtype, dim, axes, payload), jnp.zeros((), shard.dtype)
 
 
-def _gathered_bwd(dtype, dim, axes, like, grad):
-    summed = jax.lax.psum_scatter(grad.astype(jnp.float32), axes, scatter_dimension=dim, tiled=True)
-    return (summed.astype(like.dtype),)
+def _gathered_bwd(dtype, dim, axes, payload, like, grad):
+    return (scattered(grad, axes, dim, payload).astype(like.dtype),)
 
 
 _gathered_in.defvjp(_gathered_fwd, _gathered_bwd)

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.model import constrain, layout_hooks
 from jaxpar.model.axes import is_stacked, logical_names, path_names
 from jaxpar.parallel.hooks import ManualHooks, PartitionerHooks
+from jaxpar.parallel.reductions import summed
 from jaxpar.parallel.rules import RULES, data_parallel_axes, logical_to_spec
 from jaxpar.parallel.zero import manual_part, zero_dim, zero_spec
 
@@ -72,10 +73,12 @@ class Layout:
     traced_batch_shards: int  # batch shards the traced loss sees: 1 under manual batch axes, else all
     weights: Mapping[tuple, WeightPlan]
     layer_weights_at: tuple[str, ...]
+    reduce_dtype: object  # the payload of the data-parallel gradient reductions (parallel.grad_reduce_dtype)
 
     @classmethod
     def build(cls, mesh: jax.sharding.Mesh, abstract_params, layer_weights_at: tuple[str, ...] = ("blocks",),
-              zero: int = 0, compute_dtype=jnp.float32, rules: Mapping = RULES) -> Layout:
+              zero: int = 0, compute_dtype=jnp.float32, rules: Mapping = RULES,
+              reduce_dtype=jnp.float32) -> Layout:
         sizes = dict(mesh.shape)
         data_axes = tuple(a for a in data_parallel_axes(rules) if sizes.get(a, 1) > 1)
         pipelined = sizes.get("stage", 1) > 1
@@ -88,8 +91,11 @@ class Layout:
         # embedding gather when `data` and `tensor` are both automatic under a manual `stage`
         # (a failed check in ExpandDeviceGroups, jax 0.12.0.1), so the batch axes stay manual.
         # Only axes of size > 1 are made manual: XLA's SPMD partitioner rejects the tensor
-        # all-reduces of a shard_map that is manual over size-1 axes only.
-        manual_batch = sizes.get("expert", 1) > 1 or (pipelined and sizes.get("tensor", 1) > 1)
+        # all-reduces of a shard_map that is manual over size-1 axes only. Gradients reduced in
+        # another dtype than fp32 are reduced by hand too: the partitioner reduces each weight
+        # gradient in the dtype its matmul produced it in.
+        manual_batch = (sizes.get("expert", 1) > 1 or (pipelined and sizes.get("tensor", 1) > 1)
+                        or jnp.dtype(reduce_dtype) != jnp.float32)
         manual_data = data_axes if manual_batch else ()
         batch_ways = math.prod(sizes[a] for a in data_axes)
         weights = {}
@@ -102,7 +108,8 @@ class Layout:
                 frozenset(a for e in spec for a in ((e,) if isinstance(e, str) else e or ())))
         return cls(mesh, zero, types.MappingProxyType(dict(rules)), compute_dtype, types.MappingProxyType(sizes),
                    data_axes, batch_ways, manual_data, manual_data + (("stage",) if pipelined else ()),
-                   1 if manual_data else batch_ways, types.MappingProxyType(weights), tuple(layer_weights_at))
+                   1 if manual_data else batch_ways, types.MappingProxyType(weights), tuple(layer_weights_at),
+                   reduce_dtype)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -145,10 +152,16 @@ class Layout:
         """Optimizer state: sharded over data-parallel devices from ZeRO-1 on."""
         return self._specs(opt_state, self.zero >= 1)
 
-    def named(self, specs):
-        """PartitionSpecs -> NamedShardings on this mesh."""
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+    def named(self, specs, memory_kind: str | None = None):
+        """PartitionSpecs -> NamedShardings on this mesh (in `memory_kind`: 'device', 'pinned_host';
+        None: the default)."""
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind=memory_kind), specs,
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    def placed(self, opt_state, memory_kind: str):
+        """Optimizer state moved to `memory_kind` in its own sharding (inside the step: a transfer
+        between host and device memory, train.offload)."""
+        return jax.device_put(opt_state, self.named(self.opt_specs(opt_state), memory_kind))
 
     def batch_sharding(self) -> NamedSharding:
         """Sharding of a (batch, ...) array: rows over the data-parallel axes."""
@@ -224,7 +237,7 @@ def _reduce(layout: Layout, grad: nnx.Variable, path: tuple) -> nnx.Variable:
     plan, value = layout.weights[path], grad.get_value()
     if layout.manual_data and not (layout.zero >= 2 and plan.zero_dim is not None):
         axes = tuple(a for a in layout.manual_data if a not in plan.used_axes)
-        value = jax.lax.psum(value, axes) if axes else value
+        value = summed(value, axes, layout.reduce_dtype).astype(value.dtype) if axes else value
     if layout.pipelined and not plan.stacked:
         value = jax.lax.psum(value, "stage")
     return grad.replace(value / layout.manual_batch_ways)

@@ -16,6 +16,7 @@ import jax
 from jaxpar.plan.collectives import bytes_by_op, collectives
 from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts
 from jaxpar.plan.hlo import executed_matmul_flops, matmul_flops, parse
+from jaxpar.plan.transfers import host_transfers
 
 
 def _device_bytes(abstract_tree, shardings) -> int:
@@ -26,8 +27,18 @@ def _device_bytes(abstract_tree, shardings) -> int:
     return total
 
 
+def _memory_split(trainer, params: int, opt_state: int, temp: int, moved: dict) -> dict:
+    """Device and host bytes per category. Offloaded activations are the layer inputs moved to the
+    host in one step (all held until backward); the device's activations are XLA's temporaries,
+    which on XLA:CPU (one memory) still count the offloaded ones."""
+    offloaded = trainer.cfg.train.offloads_optimizer
+    return {"device_bytes": {"params": params, "opt_state": 0 if offloaded else opt_state, "activations": temp},
+            "host_bytes": {"params": 0, "opt_state": opt_state if offloaded else 0,
+                           "activations": moved["activations"]["to_host"]}}
+
+
 def measure_step(trainer) -> dict:
-    """Per-device memory by category, FLOPs and collective bytes of one compiled train step."""
+    """Per-device memory by category, FLOPs, collective bytes and host transfers of one compiled train step."""
     compiled = trainer.compile_step()
     stats = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -36,6 +47,9 @@ def measure_step(trainer) -> dict:
     shardings = trainer.state_shardings
     grad_shardings = trainer.layout.named(trainer.layout.grad_specs(state.params))
     module = parse(compiled.as_text())
+    moved = host_transfers(trainer, state, trainer.abstract_batch())
+    params_bytes = _device_bytes(state.params, shardings.params)
+    opt_bytes = _device_bytes(state.opt_state, shardings.opt_state)
     found = collectives(module, trainer.layout.sizes)
     flops = matmul_flops(module)
     per_stage = [flops]
@@ -46,8 +60,10 @@ def measure_step(trainer) -> dict:
         "output_bytes": int(stats.output_size_in_bytes),
         "alias_bytes": int(stats.alias_size_in_bytes),
         "temp_bytes": int(stats.temp_size_in_bytes),
-        "params_bytes": _device_bytes(state.params, shardings.params),
-        "opt_state_bytes": _device_bytes(state.opt_state, shardings.opt_state),
+        "params_bytes": params_bytes,
+        "opt_state_bytes": opt_bytes,
+        **_memory_split(trainer, params_bytes, opt_bytes, int(stats.temp_size_in_bytes), moved),
+        "host_transfer_bytes": moved,
         "grads_bytes": _device_bytes(state.params, grad_shardings),
         # matmul FLOPs per step with loop trip counts; XLA's figure counts each loop body once.
         # Every branch of a conditional counts each time it runs (an upper bound for pipelines);
@@ -75,6 +91,14 @@ def format_report(plan: dict) -> str:
             ("total (arguments + temporaries)", plan["argument_bytes"] + plan["temp_bytes"])]
     lines = [f"{'per device':<32}{'bytes':>18}{'MiB':>12}"]
     lines += [f"{name:<32}{value:>18,d}{value / mib:>12.2f}" for name, value in rows]
+    if any(plan["host_bytes"].values()):
+        lines.append(f"{'offload':<32}{'device bytes':>18}{'host bytes':>18}")
+        for key, name in (("params", "parameters"), ("opt_state", "optimizer state"), ("activations", "activations")):
+            lines.append(f"  {name:<30}{plan['device_bytes'][key]:>18,d}{plan['host_bytes'][key]:>18,d}")
+        for kind, moved in plan["host_transfer_bytes"].items():
+            lines.append(f"  {kind + ' moved per step':<30}{moved['to_device']:>18,d}{moved['to_host']:>18,d}"
+                         f"   (to device, to host)")
+        lines.append("  (on XLA:CPU, one memory, the temporaries still count offloaded activations)")
     lines.append(f"{'matmul FLOPs per step':<32}{plan['flops']:>18.4g}")
     if len(plan["executed_flops_per_stage"]) > 1:
         lines.append(f"{'  executed (mean of devices)':<32}{plan['executed_flops']:>18.4g}")

@@ -84,20 +84,22 @@ def _warn(message: str) -> None:
     _say(f"jaxpar: warning: {message}")
 
 
-def _logged(step: int, t) -> bool:
-    """Whether step `step` gets a metrics.jsonl line: every log_every steps, plus the first and the last."""
-    return step % t.log_every == 0 or step in (1, t.steps)
+def _logged(step: int, cfg) -> bool:
+    """Whether step `step` gets a metrics.jsonl line: every log_every steps, plus the first and the last,
+    and under local SGD every synchronizing step (with the replicas' spread)."""
+    t, sync_every = cfg.train, cfg.parallel.sync_every
+    return step % t.log_every == 0 or step in (1, t.steps) or (sync_every > 1 and step % sync_every == 0)
 
 
-def _kept_metrics(path: Path, step: int, t) -> list[dict]:
+def _kept_metrics(path: Path, step: int, cfg) -> list[dict]:
     """The rows of metrics.jsonl that an uninterrupted run would have logged up to `step`."""
-    return [r for r in read_jsonl(path) if r["step"] <= step and _logged(r["step"], t)]
+    return [r for r in read_jsonl(path) if r["step"] <= step and _logged(r["step"], cfg)]
 
 
-def trim_metrics(path: Path, step: int, t) -> list[dict]:
+def trim_metrics(path: Path, step: int, cfg) -> list[dict]:
     """Cut metrics.jsonl down to its rows up to `step` (empty for step 0, but kept), and return them:
     training goes on from `step`, so the later rows are redone."""
-    history = _kept_metrics(path, step, t)
+    history = _kept_metrics(path, step, cfg)
     write_jsonl_atomic(path, history)
     return history
 
@@ -136,7 +138,7 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
         _say(f"jaxpar: resuming from the checkpoint at step {start} in {checkpoints.directory}")
     else:
         state, start = trainer.init(), 0
-    history = trim_metrics(metrics_path, start, t) if primary else _kept_metrics(metrics_path, start, t)
+    history = trim_metrics(metrics_path, start, cfg) if primary else _kept_metrics(metrics_path, start, cfg)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     processes = ""
     if jax.process_count() > 1:
@@ -156,11 +158,13 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     def finish(step: int, metrics) -> None:
         nonlocal last_time
         values = {k: v.tolist() for k, v in jax.device_get(metrics).items()}  # scalars, or lists (per expert)
+        if not values.pop("synced", True):  # local SGD: the replicas' spread is measured when they synchronize
+            del values["replica_spread"]
         now = time.perf_counter()
         step_time, last_time = now - last_time, now
         record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
         records.append(record)
-        if _logged(step, t) and primary:
+        if _logged(step, cfg) and primary:
             append_jsonl(metrics_path, record)
         bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
@@ -220,7 +224,7 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
     cfg = session.cfg
     val_loss = validation_loss(trainer, state.params, session)
     # An interleaved pipeline stores its stacked layers permuted; the sampler runs the plain model.
-    params = trainer.to_model_order(state.params)
+    params = trainer.to_model_order(jax.jit(trainer.weights)(state.params))
     moe = cfg.model.moe
     if cfg.train.sample_tokens == 0:
         sample = None

@@ -7,12 +7,18 @@ sqrt(L) segments (the last one shorter when they do not divide L), keeps segment
 recomputes a whole segment in backward (a nested scan): O(sqrt L) activation memory. When the
 layout expands weights per layer (ZeRO-2/3), the expanded weights are fetched again in
 backward rather than kept, so about one layer's full weights exist at a time.
+
+train.offload=activations names each layer's input and offloads it to pinned host memory (the
+remat policy save_and_offload_only_these_names), where full remat would keep it on the device;
+the layer is recomputed in backward from the copy brought back. With remat 'dots' the matmul
+outputs stay on the device as well; 'none' and 'full' keep nothing else.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.model import LayerScan
 
@@ -22,18 +28,34 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
+LAYER_INPUT = "layer_input"  # the checkpoint name of each layer's input (offloaded by train.offload)
+OFFLOAD_LAYER_INPUTS = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
+    offload_src="device", offload_dst="pinned_host")
 
-def layer_scan(remat: str, hooks=None) -> LayerScan:
+
+def _policy(remat: str, offload_inputs: bool, hooks):
+    if offload_inputs:
+        if remat == "dots":
+            return jax.checkpoint_policies.save_from_both_policies(REMAT_POLICIES["dots"], OFFLOAD_LAYER_INPUTS)
+        return OFFLOAD_LAYER_INPUTS
+    return REMAT_POLICIES.get(remat) or (hooks.layer_weights_policy if hooks else None)
+
+
+def layer_scan(remat: str, hooks=None, offload_inputs: bool = False) -> LayerScan:
     """The scan for Transformer.run_blocks: each layer's weights through the layout's
     hooks.layer_weights (with its index in the stacked state; none: as stored), under the remat
-    policy (or, without one, the hooks' policy)."""
+    policy (or, without one, the hooks' policy). offload_inputs: each layer's input goes to pinned
+    host memory for backward (remat 'sqrt' keeps segment inputs instead; validation refuses both)."""
 
     def scan(one_layer, x_BLD, stacked, layer_ids):
         def step(x, layer):
             layer_state, index, layer_id = layer
+            if offload_inputs:
+                x = checkpoint_name(x, LAYER_INPUT)  # every use below goes through the name, so only the copy is kept
             return one_layer(x, hooks.layer_weights(layer_state, index) if hooks else layer_state, layer_id)
 
-        policy = REMAT_POLICIES.get(remat) or (hooks.layer_weights_policy if hooks else None)
+        policy = _policy(remat, offload_inputs, hooks)
         if policy is not None:
             step = jax.checkpoint(step, policy=policy, prevent_cse=False)
         layers = (stacked, jnp.arange(len(layer_ids)), layer_ids)

@@ -30,6 +30,7 @@ class TrainState:
     opt_state: optax.OptState
     loss_scale: LossScale
     stale_params: nnx.State | None = None  # PipeDream-2BW: the weights one step old (None otherwise)
+    outer: object = None  # local SGD with parallel.outer=nesterov: its OuterState (None otherwise)
 
 
 class Optimizer(NamedTuple):
@@ -92,7 +93,7 @@ def objective(model: Transformer, tokens_BT: jax.Array, rows_B: jax.Array | None
 def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, scale: jax.Array) -> StageFns:
     """The model cut into embedding, a chunk of layers and head+loss, for the pipeline executors."""
     t, moe = cfg.train, cfg.model.moe
-    scan = layer_scan(t.remat, hooks)
+    scan = layer_scan(t.remat, hooks, t.offloads_activations)
     model = lambda p: _model(graphdef, p, t.precision, hooks)  # noqa: E731
 
     def layers(p, x_bLD, layer_ids, rows_b):
@@ -148,7 +149,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     noisy = bool(moe.experts) and moe.noise and moe.router == "topk"
 
     def accumulated(hooks, params, batch, scale):
-        scan = layer_scan(t.remat, hooks)
+        scan = layer_scan(t.remat, hooks, t.offloads_activations)
 
         def scaled_objective(p, micro):
             tokens_BT, rows_B = micro
@@ -175,14 +176,17 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         rows_B = row_keys(step_key, tokens_BT.shape[0]) if noisy else None
         stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, rows_B), scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
-        updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
+        # train.offload=optimizer: the state lives in pinned host memory between steps and comes to
+        # the device for the update only (after backward, when the activations are gone)
+        old_opt = layout.placed(state.opt_state, "device") if t.offloads_optimizer else state.opt_state
+        updates, opt_state = optimizer.tx.update(grads, old_opt, state.params)
         params = optax.apply_updates(state.params, updates)
         loss_scale = state.loss_scale
         if t.precision == "fp16" or t.on_nonfinite == "skip":
             # skip the update (state bit-identical) when any gradient is not finite
             finite = all_finite(grads)
             params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                             (params, opt_state), (state.params, state.opt_state))
+                                             (params, opt_state), (state.params, old_opt))
             loss_scale = (loss_scale.update(finite, t.loss_scale_window) if t.precision == "fp16"
                           else loss_scale.count_skip(finite))
         metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step),
@@ -193,6 +197,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
             metrics["moe_load_cv"] = jnp.std(counts) / jnp.maximum(jnp.mean(counts), 1e-9)
         if pipeline.table is not None:
             metrics["pipeline_idle_fraction"] = jnp.asarray(pipeline.table.idle_fraction, jnp.float32)
+        if t.offloads_optimizer:
+            opt_state = layout.placed(opt_state, "pinned_host")
         stale = state.params if pipeline.stale_weights else None
         return TrainState(state.step + 1, params, opt_state, loss_scale, stale), metrics
 

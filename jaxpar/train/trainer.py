@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.session import Session
 from jaxpar.model import Transformer
+from jaxpar.train import local_sgd
 from jaxpar.parallel import Layout, PipelinePlan, layout_rules
 from jaxpar.train.optim import lr_schedule, make_optimizer
 from jaxpar.train.precision import COMPUTE_DTYPES, LossScale
@@ -35,22 +36,38 @@ class Trainer:
         self.graphdef, abstract_params = nnx.split(abstract_model)
         rules = layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence)
         self.layout = Layout.build(mesh, abstract_params, Transformer.STACKED_AT, cfg.parallel.zero,
-                                   COMPUTE_DTYPES[cfg.train.precision], rules)
+                                   COMPUTE_DTYPES[cfg.train.precision], rules,
+                                   COMPUTE_DTYPES[cfg.parallel.grad_reduce_dtype])
         self.pipeline = PipelinePlan.build(cfg.parallel.pipeline, self.layout.sizes["stage"],
                                            abstract_model.stacked_layers())
         self.optimizer = Optimizer(make_optimizer(cfg.train), lr_schedule(cfg.train))
         abstract_opt = jax.eval_shape(self.optimizer.tx.init, abstract_params)
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        params = self.layout.named(self.layout.param_specs(abstract_params))
-        self.state_shardings = TrainState(
-            self.replicated, params, self.layout.named(self.layout.opt_specs(abstract_opt)),
-            LossScale(self.replicated, self.replicated, self.replicated),
-            params if self.pipeline.stale_weights else None)
+        # local SGD: each replica's state is laid out by the rules inside one replica, on a leading
+        # replica dimension over data; evaluation and sampling use the synchronous layout
+        self.replicas = session.mesh_sizes["data"] if cfg.parallel.sync_every > 1 else 0
+        state_layout = self.layout
+        if self.replicas:
+            state_layout = Layout.build(mesh, abstract_params, Transformer.STACKED_AT, 0,
+                                        COMPUTE_DTYPES[cfg.train.precision], local_sgd.replica_rules(rules))
+        param_specs = state_layout.param_specs(abstract_params)
+        scalar = PartitionSpec()
+        specs = TrainState(scalar, param_specs, state_layout.opt_specs(abstract_opt), LossScale(scalar, scalar, scalar),
+                           param_specs if self.pipeline.stale_weights else None)
+        if self.replicas:
+            outer = local_sgd.OuterState(param_specs, param_specs) if cfg.parallel.outer == "nesterov" else None
+            specs = dataclasses.replace(local_sgd.per_replica(specs), outer=outer)
+        opt_memory = "pinned_host" if cfg.train.offloads_optimizer else None
+        self.state_shardings = dataclasses.replace(self.layout.named(specs), opt_state=self.layout.named(
+            specs.opt_state, opt_memory))
         self.batch_sharding = self.layout.batch_sharding()
-        train_step = make_train_step(self.graphdef, self.optimizer, cfg, self.layout, self.pipeline)
+        train_step = make_train_step(self.graphdef, self.optimizer, cfg, state_layout, self.pipeline)
+        if self.replicas:
+            train_step = local_sgd.make_local_step(train_step, cfg.parallel, self.replicas)
         self.step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding),
                             out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
-        self.eval_loss = jax.jit(make_eval_step(self.graphdef, cfg.train.precision, self.layout, self.pipeline),
+        eval_step = make_eval_step(self.graphdef, cfg.train.precision, self.layout, self.pipeline)
+        self.eval_loss = jax.jit(lambda params, tokens_BT: eval_step(self.weights(params), tokens_BT),
                                  in_shardings=(self.state_shardings.params, self.batch_sharding),
                                  out_shardings=self.replicated)
 
@@ -64,10 +81,19 @@ class Trainer:
 
         def create():
             params = self.pipeline.from_model_order(nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed))))
-            return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.tx.init(params),
-                              LossScale.initial(cfg.train.precision), params if self.pipeline.stale_weights else None)
+            state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.tx.init(params),
+                               LossScale.initial(cfg.train.precision), params if self.pipeline.stale_weights else None)
+            if not self.replicas:
+                return state
+            outer = local_sgd.OuterState.initial(params) if cfg.parallel.outer == "nesterov" else None
+            return dataclasses.replace(local_sgd.stacked(state, self.replicas), outer=outer)
 
         return jax.jit(create, out_shardings=self.state_shardings)
+
+    def weights(self, params):
+        """The one set of weights a model runs with (evaluation, samples): the stored parameters,
+        or under local SGD the mean of the replicas' (identical right after a synchronization)."""
+        return local_sgd.replica_mean(params) if self.replicas else params
 
     def to_model_order(self, tree):
         """Stacked leaves (in params or optimizer state) as the model orders its layers."""
@@ -105,9 +131,11 @@ class Trainer:
                  if self.pipeline.stale_weights else None)
         return jax.device_put(dataclasses.replace(state, stale_params=stale), self.state_shardings)
 
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+        """The shape, dtype and sharding of one step's batch."""
+        T = self.cfg.model.seq_len + 1
+        return jax.ShapeDtypeStruct((self.cfg.train.batch_size, T), jnp.int32, sharding=self.batch_sharding)
+
     def compile_step(self):
         """Lower and compile the train step without running it (for plans and HLO checks)."""
-        abstract_state = jax.eval_shape(self.init)
-        T = self.cfg.model.seq_len + 1
-        batch = jax.ShapeDtypeStruct((self.cfg.train.batch_size, T), jnp.int32, sharding=self.batch_sharding)
-        return self.step.lower(abstract_state, batch).compile()
+        return self.step.lower(jax.eval_shape(self.init), self.abstract_batch()).compile()

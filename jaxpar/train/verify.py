@@ -19,11 +19,19 @@ DEFAULT_STEPS = 3
 
 
 def reference_config(cfg):
-    """The single-device, fp32, ZeRO-0, no-remat, no-accumulation version of a config, with the
-    plain L x L attention (so flash and cuDNN attention are checked against it)."""
+    """The single-device, fp32, ZeRO-0, no-remat, no-offload, no-accumulation version of a config,
+    with the plain L x L attention (so flash and cuDNN attention are checked against it)."""
     return cfg.replace(**{"mesh.data": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.stage": 1,
                           "train.grad_accum": 1, "train.precision": "fp32", "train.remat": "none",
-                          "parallel.zero": 0, "parallel.sequence": False, "model.attention": "dot"})
+                          "train.offload": "none", "parallel.zero": 0, "parallel.sequence": False,
+                          "parallel.grad_reduce_dtype": "fp32", "model.attention": "dot"})
+
+
+def tolerances(cfg) -> tuple[float, float]:
+    """(loss, parameters) tolerances: those of the compute precision, or bf16's when gradients
+    are reduced in bf16."""
+    low = cfg.train.precision if cfg.train.precision != "fp32" else "bf16"
+    return TOLERANCES[low if cfg.parallel.grad_reduce_dtype == "bf16" else cfg.train.precision]
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -34,6 +42,14 @@ def verify(session: Session, log=print) -> dict:
     """Run both sides for train.steps steps; return the result dict printed by the CLI."""
     cfg = session.cfg
     layout = Trainer(session)
+    if layout.replicas:  # local SGD: against R single-device replicas synchronized by NumPy
+        from jaxpar.train.verify_local import verify_local
+
+        loss_errors, errors = verify_local(session, layout, reference_config(cfg), cfg.train.steps, log)
+        loss_tol, param_tol = tolerances(cfg)
+        return {"ok": bool(max(loss_errors) <= loss_tol and max(errors.values()) <= param_tol),
+                "layout": session.layout_name(), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
+                "param_max_rel_err": max(errors.values())}
     # In a multi-process run every process keeps its own reference on one of its own devices.
     reference = Trainer(on_devices(reference_config(cfg), jax.local_devices()[:1]))
     # The layout's arrays may span processes: copy them whole onto every device before reading them.
@@ -57,7 +73,7 @@ def verify(session: Session, log=print) -> dict:
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
     errors = {key: _rel(np.asarray(a), np.asarray(ref[key])) for ref in [flat_by_path(ref_params)]
               for key, a in flat_by_path(params).items()}
-    loss_tol, param_tol = TOLERANCES[cfg.train.precision]
+    loss_tol, param_tol = tolerances(cfg)
     result = {"layout": session.layout_name(), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
               "param_max_rel_err": max(errors.values())}
     judged = errors
