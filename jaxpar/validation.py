@@ -171,6 +171,10 @@ def _validate_offload_and_local_sgd(cfg: Config, sizes: dict[str, int]) -> None:
     if t.offloads_activations and t.remat == "sqrt":
         raise ConfigError("train.offload=activations offloads each layer's input, but train.remat=sqrt keeps segment "
                           "inputs instead; use train.remat none, full or dots with it.")
+    if t.offloads_activations and sizes["stage"] > 1:
+        raise ConfigError("train.offload=activations does not combine with mesh.stage > 1 yet (a pipeline keeps its "
+                          "microbatches' activations itself; see parallel.pipeline.recompute); use "
+                          "train.offload=optimizer there.")
     if p.sync_every < 1:
         raise ConfigError(f"parallel.sync_every must be 1 (synchronous) or more, got {p.sync_every}.")
     if p.outer_lr <= 0 or not 0 <= p.outer_momentum < 1:
