@@ -135,3 +135,30 @@ def save_figure(fig, path: Path, dpi: int = 110) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+
+
+# ---------------------------------------------------------------- training curves
+
+def train_losses(cfg, devices: list, steps: int) -> list[float]:
+    """The training loss of each of `steps` steps of `cfg` from a fresh state, on the builtin
+    batches jaxpar's loop would feed it (`Session.train_data`)."""
+    from jaxpar.session import on_devices
+    from jaxpar.train.trainer import Trainer
+
+    session = on_devices(cfg, devices)
+    trainer = Trainer(session)
+    state, losses = trainer.init(), []
+    for index in range(steps):
+        state, metrics = trainer.step(state, trainer.put_windows(session.train_data, session.train_data.starts(index)))
+        losses.append(metrics["loss"])
+    return [float(x) for x in losses]
+
+
+def data_axis_bytes_sent(cfg, devices: list) -> int:
+    """Bytes each device sends per step over the `data` mesh axis (ring algorithms), from the
+    compiled step (`jaxpar.plan.measure_step`): every collective whose groups span `data`, each
+    counted as often as the program runs it (a conditional's branch: once)."""
+    from jaxpar.plan import measure_step
+
+    plan = measure_step(trainer_on(cfg, devices))
+    return sum(op["wire_bytes"] * op["count"] for op in plan["collective_ops"] if "data" in op["mesh_axes"])

@@ -26,6 +26,7 @@ def tiny(tmp_path):
 @pytest.mark.parametrize("layout", [
     ["mesh.data=8", "parallel.zero=1", "train.offload=optimizer"],
     ["mesh.data=8", "parallel.zero=1", "train.offload=activations"],
+    ["mesh.data=8", "train.optimizer=adafactor", "train.offload=optimizer"],  # the state comes over whole
     ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3", "train.offload=both"],
     ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=2", "train.offload=optimizer"],
 ])
@@ -45,6 +46,9 @@ def test_plan_puts_offloaded_bytes_on_the_host_and_counts_the_transfers(tiny):
     opt = both["opt_state_bytes"]
     assert both["host_bytes"]["opt_state"] == opt and both["device_bytes"]["opt_state"] == 0
     assert both["host_transfer_bytes"]["optimizer"] == {"to_device": opt, "to_host": opt}
+    # AdamW's update goes layer by layer: the embedding's state and one of the two layers' at a time
+    layer_state = (opt - both["device_bytes"]["opt_state_update_peak"])
+    assert 0 < layer_state < opt / 2
     # the 2 layers' inputs (batch 16 x 64 positions x 64 wide, fp32) split over 8 devices, each way once
     layer_inputs = 2 * 16 * 64 * 64 * 4 // 8
     assert both["host_transfer_bytes"]["activations"] == {"to_device": layer_inputs, "to_host": layer_inputs}

@@ -158,11 +158,6 @@ class Layout:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind=memory_kind), specs,
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
 
-    def placed(self, opt_state, memory_kind: str):
-        """Optimizer state moved to `memory_kind` in its own sharding (inside the step: a transfer
-        between host and device memory, train.offload)."""
-        return jax.device_put(opt_state, self.named(self.opt_specs(opt_state), memory_kind))
-
     def batch_sharding(self) -> NamedSharding:
         """Sharding of a (batch, ...) array: rows over the data-parallel axes."""
         return NamedSharding(self.mesh, logical_to_spec(("batch",), self.rules))

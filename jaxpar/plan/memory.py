@@ -17,6 +17,7 @@ from jaxpar.plan.collectives import bytes_by_op, collectives
 from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts
 from jaxpar.plan.hlo import executed_matmul_flops, matmul_flops, parse
 from jaxpar.plan.transfers import host_transfers
+from jaxpar.train.offload import update_peak_bytes
 
 
 def _device_bytes(abstract_tree, shardings) -> int:
@@ -27,12 +28,16 @@ def _device_bytes(abstract_tree, shardings) -> int:
     return total
 
 
-def _memory_split(trainer, params: int, opt_state: int, temp: int, moved: dict) -> dict:
+def _memory_split(trainer, state, params: int, opt_state: int, temp: int, moved: dict) -> dict:
     """Device and host bytes per category. Offloaded activations are the layer inputs moved to the
     host in one step (all held until backward); the device's activations are XLA's temporaries,
-    which on XLA:CPU (one memory) still count the offloaded ones."""
+    which on XLA:CPU (one memory) still count the offloaded ones. An offloaded optimizer state
+    is on the device only during the update: opt_state_update_peak of it at once."""
     offloaded = trainer.cfg.train.offloads_optimizer
-    return {"device_bytes": {"params": params, "opt_state": 0 if offloaded else opt_state, "activations": temp},
+    peak = (update_peak_bytes(state.opt_state, trainer.state_shardings.opt_state, trainer.optimizer.by_layer)
+            if offloaded else opt_state)
+    return {"device_bytes": {"params": params, "opt_state": 0 if offloaded else opt_state, "activations": temp,
+                             "opt_state_update_peak": peak},
             "host_bytes": {"params": 0, "opt_state": opt_state if offloaded else 0,
                            "activations": moved["activations"]["to_host"]}}
 
@@ -62,7 +67,7 @@ def measure_step(trainer) -> dict:
         "temp_bytes": int(stats.temp_size_in_bytes),
         "params_bytes": params_bytes,
         "opt_state_bytes": opt_bytes,
-        **_memory_split(trainer, params_bytes, opt_bytes, int(stats.temp_size_in_bytes), moved),
+        **_memory_split(trainer, state, params_bytes, opt_bytes, int(stats.temp_size_in_bytes), moved),
         "host_transfer_bytes": moved,
         "grads_bytes": _device_bytes(state.params, grad_shardings),
         # matmul FLOPs per step with loop trip counts; XLA's figure counts each loop body once.
@@ -95,6 +100,8 @@ def format_report(plan: dict) -> str:
         lines.append(f"{'offload':<32}{'device bytes':>18}{'host bytes':>18}")
         for key, name in (("params", "parameters"), ("opt_state", "optimizer state"), ("activations", "activations")):
             lines.append(f"  {name:<30}{plan['device_bytes'][key]:>18,d}{plan['host_bytes'][key]:>18,d}")
+        lines.append(f"  {'optimizer state in the update':<30}{plan['device_bytes']['opt_state_update_peak']:>18,d}"
+                     f"   (on the device at once)")
         for kind, moved in plan["host_transfer_bytes"].items():
             lines.append(f"  {kind + ' moved per step':<30}{moved['to_device']:>18,d}{moved['to_host']:>18,d}"
                          f"   (to device, to host)")

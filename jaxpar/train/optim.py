@@ -29,7 +29,13 @@ def _decay_mask(params):
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW (b2=0.95) or Adafactor (factored second moments) on the schedule.
+    """Clip by global norm, then `optimizer_update`: the chain's state is (clipping's empty
+    state, the update's state)."""
+    return optax.chain(optax.clip_by_global_norm(t.clip_norm), optimizer_update(t))
+
+
+def optimizer_update(t: TrainConfig) -> optax.GradientTransformation:
+    """AdamW (b2=0.95) or Adafactor (factored second moments) on the schedule, after clipping.
 
     Adafactor keeps row and column statistics instead of a full second moment and no first
     moment; its step is not scaled by the parameter norm, so train.lr means the same as for AdamW.
@@ -37,10 +43,7 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     attention weights (D, 3, H, K) are factored too (optax's default threshold, 128, skips them).
     """
     if t.optimizer == "adafactor":
-        update = optax.adafactor(lr_schedule(t), min_dim_size_to_factor=32, multiply_by_parameter_scale=False,
-                                 clipping_threshold=None,
-                                 weight_decay_rate=t.weight_decay or None, weight_decay_mask=_decay_mask)
-    else:
-        update = optax.adamw(lr_schedule(t), b1=0.9, b2=0.95, eps=1e-8, weight_decay=t.weight_decay,
-                             mask=_decay_mask)
-    return optax.chain(optax.clip_by_global_norm(t.clip_norm), update)
+        return optax.adafactor(lr_schedule(t), min_dim_size_to_factor=32, multiply_by_parameter_scale=False,
+                               clipping_threshold=None,
+                               weight_decay_rate=t.weight_decay or None, weight_decay_mask=_decay_mask)
+    return optax.adamw(lr_schedule(t), b1=0.9, b2=0.95, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask)

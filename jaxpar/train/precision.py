@@ -56,3 +56,11 @@ class LossScale:
 def all_finite(tree) -> jax.Array:
     """True when every element of every leaf is finite."""
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def unless_skipped(finite, new, old):
+    """`new`, or `old` (bit-identical) where the step is skipped: `finite` False. finite None: the
+    step is never skipped."""
+    if finite is None:
+        return new
+    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)

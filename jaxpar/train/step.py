@@ -16,7 +16,8 @@ from flax import nnx
 from jaxpar.config import Config, TrainConfig
 from jaxpar.model import Transformer, layout_hooks
 from jaxpar.parallel import Layout, PipelinePlan, StageFns, gradients
-from jaxpar.train.precision import LossScale, all_finite, cast_for_compute
+from jaxpar.train.offload import offloaded_update
+from jaxpar.train.precision import LossScale, all_finite, cast_for_compute, unless_skipped
 from jaxpar.train.remat import layer_scan
 
 
@@ -34,10 +35,15 @@ class TrainState:
 
 
 class Optimizer(NamedTuple):
-    """The optax transformation and the learning-rate schedule it follows (reported as 'lr')."""
+    """The optax transformation and the learning-rate schedule it follows (reported as 'lr').
+    tx is clip_by_global_norm(clip_norm) then `update`; train.offload=optimizer runs the two
+    itself (jaxpar.train.offload), layer by layer when `by_layer`."""
 
     tx: optax.GradientTransformation
     schedule: optax.Schedule
+    update: optax.GradientTransformation
+    clip_norm: float
+    by_layer: bool
 
 
 def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: str, hooks=None) -> Transformer:
@@ -176,17 +182,18 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         rows_B = row_keys(step_key, tokens_BT.shape[0]) if noisy else None
         stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, rows_B), scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
-        # train.offload=optimizer: the state lives in pinned host memory between steps and comes to
-        # the device for the update only (after backward, when the activations are gone)
-        old_opt = layout.placed(state.opt_state, "device") if t.offloads_optimizer else state.opt_state
-        updates, opt_state = optimizer.tx.update(grads, old_opt, state.params)
-        params = optax.apply_updates(state.params, updates)
         loss_scale = state.loss_scale
-        if t.precision == "fp16" or t.on_nonfinite == "skip":
-            # skip the update (state bit-identical) when any gradient is not finite
-            finite = all_finite(grads)
-            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                             (params, opt_state), (state.params, old_opt))
+        # fp16, or on_nonfinite=skip: a step with any non-finite gradient leaves the state bit-identical
+        finite = all_finite(grads) if t.precision == "fp16" or t.on_nonfinite == "skip" else None
+        if t.offloads_optimizer:  # the state comes from pinned host memory (layer by layer) and goes back
+            updates, opt_state = offloaded_update(optimizer.update, optimizer.clip_norm, optimizer.by_layer, grads,
+                                                  state.opt_state, state.params, layout.mesh,
+                                                  layout.opt_specs(state.opt_state)[1], finite)
+        else:
+            updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
+            opt_state = unless_skipped(finite, opt_state, state.opt_state)
+        params = unless_skipped(finite, optax.apply_updates(state.params, updates), state.params)
+        if finite is not None:
             loss_scale = (loss_scale.update(finite, t.loss_scale_window) if t.precision == "fp16"
                           else loss_scale.count_skip(finite))
         metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step),
@@ -197,8 +204,6 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
             metrics["moe_load_cv"] = jnp.std(counts) / jnp.maximum(jnp.mean(counts), 1e-9)
         if pipeline.table is not None:
             metrics["pipeline_idle_fraction"] = jnp.asarray(pipeline.table.idle_fraction, jnp.float32)
-        if t.offloads_optimizer:
-            opt_state = layout.placed(opt_state, "pinned_host")
         stale = state.params if pipeline.stale_weights else None
         return TrainState(state.step + 1, params, opt_state, loss_scale, stale), metrics
 
