@@ -139,19 +139,22 @@ def save_figure(fig, path: Path, dpi: int = 110) -> None:
 
 # ---------------------------------------------------------------- training curves
 
-def train_losses(cfg, devices: list, steps: int) -> list[float]:
-    """The training loss of each of `steps` steps of `cfg` from a fresh state, on the builtin
-    batches jaxpar's loop would feed it (`Session.train_data`)."""
+def train_losses(cfg, devices: list, steps: int) -> tuple[list[float], float]:
+    """(the training loss of each of `steps` steps of `cfg` from a fresh state, the median seconds
+    of a step after the first, which compiles), on the batches jaxpar's loop would feed it
+    (`Session.train_data`). Each step is waited for before the next is timed."""
     from jaxpar.session import on_devices
     from jaxpar.train.trainer import Trainer
 
     session = on_devices(cfg, devices)
     trainer = Trainer(session)
-    state, losses = trainer.init(), []
+    state, losses, seconds = trainer.init(), [], []
     for index in range(steps):
+        start = time.perf_counter()
         state, metrics = trainer.step(state, trainer.put_windows(session.train_data, session.train_data.starts(index)))
-        losses.append(metrics["loss"])
-    return [float(x) for x in losses]
+        losses.append(float(metrics["loss"]))
+        seconds.append(time.perf_counter() - start)
+    return losses, statistics.median(seconds[1:])
 
 
 def data_axis_bytes_sent(cfg, devices: list) -> int:

@@ -15,7 +15,9 @@ compiled step (`jaxpar.plan.measure_step`, ring algorithms; a conditional's bran
 the steps or synchronizations so far. Tensor-parallel traffic inside a replica is the same for every
 run and left out.
 Printed: a markdown table (final loss = mean of the last 10 steps' training losses, and its ratio to
-H=1), then one JSON line with every number; the figure goes to benchmarks/results/local_sgd.png.
+H=1; the last step's loss and its ratio; tokens/s = batch x seq_len / the median step, every step
+waited for, the first (compiling) one left out), then one JSON line with every number; the figure
+(10-step running means of the loss) goes to benchmarks/results/local_sgd.png.
 """
 
 from __future__ import annotations
@@ -48,16 +50,20 @@ def main() -> int:
     for H, outer in RUNS:
         cfg = base.replace(**{"parallel.sync_every": H, "parallel.outer": outer})
         print(f"local_sgd: H={H} outer={outer}, {args.steps} steps", file=sys.stderr)
-        losses = train_losses(cfg, devices, args.steps)
+        losses, seconds = train_losses(cfg, devices, args.steps)
         per_event = data_axis_bytes_sent(cfg, devices)
         events = [(s + 1) // H for s in range(args.steps)]  # steps (H=1) or synchronizations so far
         results.append({"H": H, "outer": outer if H > 1 else "sync", "losses": losses,
                         "bytes_per_event": per_event, "bytes": [n * per_event for n in events],
-                        "final_loss": sum(losses[-10:]) / 10})
+                        "final_loss": sum(losses[-10:]) / 10, "last_loss": losses[-1],
+                        "tokens_per_s": cfg.train.batch_size * cfg.model.seq_len / seconds})
     sync = results[0]["final_loss"]
+    last = results[0]["last_loss"]
     rows = [[r["H"], r["outer"], f"{r['final_loss']:.4f}", f"{r['final_loss'] / sync:.3f}",
-             f"{r['bytes_per_event'] / 2**20:.2f}", f"{r['bytes'][-1] / 2**20:.1f}"] for r in results]
-    print(markdown(["H", "outer", "final loss", "vs H=1", "MiB sent per sync", "MiB sent in all"], rows))
+             f"{r['last_loss']:.4f}", f"{r['last_loss'] / last:.3f}", f"{r['bytes_per_event'] / 2**20:.2f}",
+             f"{r['bytes'][-1] / 2**20:.1f}", f"{r['tokens_per_s']:.0f}"] for r in results]
+    print(markdown(["H", "outer", "final loss (mean of last 10)", "vs H=1", "last step's loss", "vs H=1",
+                    "MiB sent per sync", "MiB sent in all", "tokens/s (median step)"], rows))
     plt = pyplot()
     fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
@@ -74,7 +80,7 @@ def main() -> int:
     by_step.legend(fontsize=8)
     save_figure(fig, RESULTS / "local_sgd.png")
     print(json.dumps({"steps": args.steps, "runs": [{k: v for k, v in r.items() if k not in ("losses", "bytes")}
-                                                    | {"last_loss": r["losses"][-1]} for r in results]}))
+                                                    for r in results]}))
     return 0
 
 
