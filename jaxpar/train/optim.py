@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import optax
 from flax import nnx
 
 from jaxpar.config import TrainConfig
 from jaxpar.model.axes import logical_names
+from jaxpar.train.offload import layerwise
+
+
+class Optimizer(NamedTuple):
+    """The optax transformation and the learning-rate schedule it follows (reported as 'lr').
+    tx is clip_by_global_norm(clip_norm) then `update`; train.offload=optimizer runs the two
+    itself (jaxpar.train.offload), layer by layer when `by_layer`."""
+
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    update: optax.GradientTransformation
+    clip_norm: float
+    by_layer: bool
+
+    @classmethod
+    def build(cls, t: TrainConfig, abstract_params) -> "Optimizer":
+        update = optimizer_update(t)
+        return cls(make_optimizer(t, update), lr_schedule(t), update, t.clip_norm,
+                   t.offloads_optimizer and layerwise(update, abstract_params))
 
 
 def lr_schedule(t: TrainConfig) -> optax.Schedule:
@@ -28,10 +49,10 @@ def _decay_mask(params):
     return jax.tree.map(lambda v: v.replace(is_matrix(v)), params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    """Clip by global norm, then `optimizer_update`: the chain's state is (clipping's empty
-    state, the update's state)."""
-    return optax.chain(optax.clip_by_global_norm(t.clip_norm), optimizer_update(t))
+def make_optimizer(t: TrainConfig, update: optax.GradientTransformation | None = None) -> optax.GradientTransformation:
+    """Clip by global norm, then `update` (default: `optimizer_update`): the chain's state is
+    (clipping's empty state, the update's state)."""
+    return optax.chain(optax.clip_by_global_norm(t.clip_norm), update or optimizer_update(t))
 
 
 def optimizer_update(t: TrainConfig) -> optax.GradientTransformation:

@@ -6,7 +6,7 @@ Batches are int token arrays (B, T): inputs are [:, :-1], targets [:, 1:].
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from jaxpar.config import Config, TrainConfig
 from jaxpar.model import Transformer, layout_hooks
 from jaxpar.parallel import Layout, PipelinePlan, StageFns, gradients
 from jaxpar.train.offload import offloaded_update
+from jaxpar.train.optim import Optimizer
 from jaxpar.train.precision import LossScale, all_finite, cast_for_compute, unless_skipped
 from jaxpar.train.remat import layer_scan
 
@@ -32,18 +33,6 @@ class TrainState:
     loss_scale: LossScale
     stale_params: nnx.State | None = None  # PipeDream-2BW: the weights one step old (None otherwise)
     outer: object = None  # local SGD with parallel.outer=nesterov: its OuterState (None otherwise)
-
-
-class Optimizer(NamedTuple):
-    """The optax transformation and the learning-rate schedule it follows (reported as 'lr').
-    tx is clip_by_global_norm(clip_norm) then `update`; train.offload=optimizer runs the two
-    itself (jaxpar.train.offload), layer by layer when `by_layer`."""
-
-    tx: optax.GradientTransformation
-    schedule: optax.Schedule
-    update: optax.GradientTransformation
-    clip_norm: float
-    by_layer: bool
 
 
 def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: str, hooks=None) -> Transformer:

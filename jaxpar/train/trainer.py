@@ -15,10 +15,9 @@ from jaxpar.session import Session
 from jaxpar.model import Transformer
 from jaxpar.train import local_sgd
 from jaxpar.parallel import Layout, PipelinePlan, layout_rules
-from jaxpar.train.offload import layerwise
-from jaxpar.train.optim import lr_schedule, make_optimizer, optimizer_update
+from jaxpar.train.optim import Optimizer
 from jaxpar.train.precision import COMPUTE_DTYPES, LossScale
-from jaxpar.train.step import Optimizer, TrainState, make_eval_step, make_train_step
+from jaxpar.train.step import TrainState, make_eval_step, make_train_step
 
 
 class Trainer:
@@ -41,9 +40,7 @@ class Trainer:
                                    COMPUTE_DTYPES[cfg.parallel.grad_reduce_dtype])
         self.pipeline = PipelinePlan.build(cfg.parallel.pipeline, self.layout.sizes["stage"],
                                            abstract_model.stacked_layers())
-        update = optimizer_update(cfg.train)
-        self.optimizer = Optimizer(make_optimizer(cfg.train), lr_schedule(cfg.train), update, cfg.train.clip_norm,
-                                   cfg.train.offloads_optimizer and layerwise(update, abstract_params))
+        self.optimizer = Optimizer.build(cfg.train, abstract_params)
         abstract_opt = jax.eval_shape(self.optimizer.tx.init, abstract_params)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # local SGD: each replica's state is laid out by the rules inside one replica, on a leading
