@@ -1,4 +1,4 @@
-"""The `jaxpar` command line: train, verify, plan, schedule and launch.
+"""The `jaxpar` command line: train, verify, plan, schedule, tokenize and launch.
 
 User mistakes (config, devices, data, a checkpoint that does not fit the config) end in one
 sentence on stderr and exit code 2, before anything is compiled. A training run whose loss
@@ -110,6 +110,16 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from jaxpar.data.tokenize import tokenize
+
+    meta = tokenize(args.input, args.out, args.vocab_size, args.tokenizer, progress=not args.no_progress)
+    print(f"{meta['tokens']:,} tokens ({meta['dtype']}, vocabulary {meta['vocab_size']}) in {len(meta['shards'])} "
+          f"shard(s) under {args.out}/; train on them with data.source={args.out} model.vocab_size={meta['vocab_size']}")
+    print(json.dumps({k: meta[k] for k in ("vocab_size", "dtype", "tokens", "inputs_sha256")}))
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from jaxpar.launch import launch
 
@@ -148,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual", type=int, default=1, help="chunks per device v (interleaved)")
     p.add_argument("--out", help="write the Gantt chart to this PNG")
     _add_command(sub, "verify", cmd_verify, "compare a layout against the single-device reference", reads_config=True)
+    p = _add_command(sub, "tokenize", cmd_tokenize, "train a byte-level BPE tokenizer (or apply one) and write token "
+                                                    "shards for data.source")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="text files (UTF-8)")
+    p.add_argument("--vocab-size", type=int, help="vocabulary of the tokenizer to train (at least 257)")
+    p.add_argument("--tokenizer", metavar="FILE", help="apply this tokenizer.json instead of training one")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p = _add_command(sub, "launch", cmd_launch, "run a jaxpar command as N local processes of one distributed run",
                      usage=f"jaxpar launch --processes N [--devices-per-process K] -- "
                            f"{'|'.join(LAUNCHABLE_COMMANDS)} ...")

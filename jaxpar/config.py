@@ -105,6 +105,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     eval_batches: int = 8
+    eval_every: int = 0  # validation loss every N steps as well (a `val_loss` in that step's metrics line); 0: at the end only
     sample_tokens: int = 160  # greedy sample at the end of a run; 0 writes none
     optimizer: Literal["adamw", "adafactor"] = "adamw"
     remat: Literal["none", "full", "dots", "sqrt"] = "none"
@@ -180,6 +181,7 @@ class RunConfig:
     dir: str = "runs/default"
     devices: Union[int, str] = "auto"
     heartbeat_timeout: float = 30.0
+    tensorboard: bool = False  # also write the metrics as TensorBoard event files under <dir>/tensorboard
 
 
 @dataclasses.dataclass(frozen=True)

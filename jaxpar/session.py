@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 from jaxpar.config import Config
 from jaxpar.data import BatchSampler, load_tokens, split_tokens
+from jaxpar.data.token_folder import TOKENIZER, TextCodec, is_token_folder
 from jaxpar.runtime import make_mesh, setup_devices
 from jaxpar.validation import check_attention_platform, validate, with_derived
 
@@ -65,6 +67,13 @@ class Session:
             parts.append(t.optimizer)
         parts.append(t.precision)
         return " ".join(parts)
+
+    @functools.cached_property
+    def codec(self) -> TextCodec:
+        """Text <-> token ids (prompts and samples): the tokenized folder's tokenizer, else bytes."""
+        source = self.cfg.data.source
+        folder = source != "builtin" and is_token_folder(source)
+        return TextCodec(Path(source) / TOKENIZER if folder else None)
 
     @property
     def train_data(self) -> BatchSampler:

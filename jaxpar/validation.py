@@ -194,6 +194,20 @@ def _validate_offload_and_local_sgd(cfg: Config, sizes: dict[str, int]) -> None:
                           f"{'it' if len(clash) == 1 else 'them'} at the default.")
 
 
+def check_model_fits(block_model: bool, model_name: str, cfg: Config, sizes: dict[str, int]) -> None:
+    """What a model without the block protocol (jaxpar.model.protocol: embed, run_blocks and logits
+    around stacked layers) cannot do: anything that needs its layers one by one."""
+    if block_model:
+        return
+    per_layer = {"mesh.stage > 1": sizes["stage"] > 1, f"train.remat={cfg.train.remat}": cfg.train.remat != "none",
+                 f"train.offload={cfg.train.offload}": cfg.train.offloads_activations}
+    asked = [key for key, on in per_layer.items() if on]
+    if asked:
+        raise ConfigError(f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''} the model's layers one by one, "
+                          f"but {model_name} does not implement jaxpar's block protocol (STACKED_AT, embed, "
+                          f"run_blocks, logits, stacked_layers: jaxpar.model.protocol).")
+
+
 def check_attention_platform(cfg: Config, platform: str) -> None:
     """model.attention=cudnn runs on NVIDIA GPUs only."""
     if cfg.model.attention == "cudnn" and platform != "gpu":
@@ -274,6 +288,8 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str,
     for key in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key} must be positive, got {getattr(t, key)}.")
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every must be 0 (at the end only) or positive, got {t.eval_every}.")
     if t.sample_tokens < 0:
         raise ConfigError(f"train.sample_tokens must be 0 (no sample) or more, got {t.sample_tokens}.")
     if t.lr <= 0 or t.warmup < 0 or t.clip_norm <= 0 or t.weight_decay < 0:

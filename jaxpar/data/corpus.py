@@ -1,4 +1,5 @@
-"""Token sources: the built-in English corpus, text files (byte-level) and uint16 token files."""
+"""Token sources: the built-in English corpus, text files (byte-level), uint16 token files and
+tokenized folders (jaxpar.data.token_folder)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _text_tokens(text: str) -> np.ndarray:
 
 
 def load_tokens(source: str, vocab_size: int) -> np.ndarray:
-    """All tokens of a source as a 1-D array (memory-mapped for .bin files)."""
+    """All tokens of a source as a 1-D array (memory-mapped for .bin files and tokenized folders)."""
     try:
         return _load_tokens(source, vocab_size)
     except OSError as e:  # a name too long, no permission, a device file, ...
@@ -35,6 +36,10 @@ def load_tokens(source: str, vocab_size: int) -> np.ndarray:
 
 
 def _load_tokens(source: str, vocab_size: int) -> np.ndarray:
+    from jaxpar.data.token_folder import is_token_folder, open_token_folder
+
+    if source != "builtin" and is_token_folder(source):
+        return open_token_folder(source, vocab_size)[0]
     if source == "builtin" or not source.endswith(".bin"):
         if vocab_size < BYTE_VOCAB:
             raise DataError(f"text is tokenized as bytes, so model.vocab_size must be at least {BYTE_VOCAB}, "

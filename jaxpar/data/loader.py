@@ -14,6 +14,10 @@ class BatchSampler:
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int):
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+        width = seq_len + 1
+        # a tokenized folder's shards are read through grain; an array is sliced
+        self._read = (tokens.window_reader(width) if hasattr(tokens, "window_reader")
+                      else lambda start: np.asarray(tokens[start:start + width]))
 
     def starts(self, step: int) -> np.ndarray:
         """Where the batch_size windows of optimizer step `step` begin (cheap: no tokens are read)."""
@@ -26,8 +30,7 @@ class BatchSampler:
 
     def windows(self, starts: np.ndarray) -> np.ndarray:
         """Stack token windows beginning at `starts`."""
-        width = self.seq_len + 1
-        return np.stack([np.asarray(self.tokens[s: s + width]) for s in starts]).astype(np.int32)
+        return np.stack([self._read(s) for s in starts]).astype(np.int32)
 
     def fixed_starts(self, count: int) -> np.ndarray:
         """(count, batch_size) starts of evenly spaced windows covering the array (for validation)."""

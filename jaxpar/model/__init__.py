@@ -11,7 +11,8 @@ from jaxpar.model.attention import Attention
 from jaxpar.model.axes import LOGICAL_AXES, ModelHooks, constrain, layout_hooks
 from jaxpar.model.layers import RMSNorm, rotary
 from jaxpar.model.mlp import MLP
+from jaxpar.model.protocol import BlockModel, is_block_model
 from jaxpar.model.transformer import Block, LayerScan, Transformer, plain_scan
 
-__all__ = ["Attention", "Block", "LayerScan", "MLP", "RMSNorm", "Transformer", "LOGICAL_AXES", "ModelHooks",
-           "constrain", "layout_hooks", "plain_scan", "rotary"]
+__all__ = ["Attention", "Block", "BlockModel", "LayerScan", "MLP", "RMSNorm", "Transformer", "LOGICAL_AXES",
+           "ModelHooks", "constrain", "is_block_model", "layout_hooks", "plain_scan", "rotary"]

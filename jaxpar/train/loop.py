@@ -3,6 +3,7 @@ metrics (async dispatch stays busy), checkpoint, and stop cleanly on SIGTERM/SIG
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import statistics
@@ -20,6 +21,7 @@ from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.report import append_jsonl, plot_loss, read_jsonl, write_json_atomic, write_jsonl_atomic
 from jaxpar.train.sample import greedy_sample
+from jaxpar.train.tensorboard import TensorBoardWriter
 from jaxpar.train.trainer import Trainer
 
 SAMPLE_PROMPT = "The "
@@ -62,12 +64,17 @@ class StopSignals:
         self._restore()
 
 
-def validation_loss(trainer: Trainer, params, session: Session) -> float:
-    """Mean loss over fixed, evenly spaced windows of the held-out split."""
+def validation_losses(trainer: Trainer, params, session: Session) -> list:
+    """The loss of each batch of fixed, evenly spaced windows of the held-out split, dispatched
+    (device arrays: reading them waits)."""
     sampler = session.val_data
     starts = sampler.fixed_starts(session.cfg.train.eval_batches)
-    losses = [trainer.eval_loss(params, trainer.put_windows(sampler, s)) for s in starts]
-    return float(np.mean(jax.device_get(losses)))
+    return [trainer.eval_loss(params, trainer.put_windows(sampler, s)) for s in starts]
+
+
+def validation_loss(trainer: Trainer, params, session: Session) -> float:
+    """Mean loss over fixed, evenly spaced windows of the held-out split."""
+    return float(np.mean(jax.device_get(validation_losses(trainer, params, session))))
 
 
 def _primary() -> bool:
@@ -86,9 +93,16 @@ def _warn(message: str) -> None:
 
 def _logged(step: int, cfg) -> bool:
     """Whether step `step` gets a metrics.jsonl line: every log_every steps, plus the first and the last,
-    and under local SGD every synchronizing step (with the replicas' spread)."""
+    under local SGD every synchronizing step (with the replicas' spread), and every step that measures
+    the validation loss (train.eval_every)."""
     t, sync_every = cfg.train, cfg.parallel.sync_every
-    return step % t.log_every == 0 or step in (1, t.steps) or (sync_every > 1 and step % sync_every == 0)
+    return (step % t.log_every == 0 or step in (1, t.steps) or (sync_every > 1 and step % sync_every == 0)
+            or _evaluated(step, t))
+
+
+def _evaluated(step: int, t) -> bool:
+    """Whether step `step` measures the validation loss (train.eval_every)."""
+    return bool(t.eval_every) and step % t.eval_every == 0
 
 
 def _kept_metrics(path: Path, step: int, cfg) -> list[dict]:
@@ -104,7 +118,7 @@ def trim_metrics(path: Path, step: int, cfg) -> list[dict]:
     return history
 
 
-def train(session: Session, progress: bool = True) -> dict:
+def train(session: Session, progress: bool = True, model=None, rules=None) -> dict:
     """Train (resuming from <run.dir>/checkpoints when it holds one), write metrics.jsonl, summary.json
     and loss.png under run.dir, and return the summary.
 
@@ -114,18 +128,19 @@ def train(session: Session, progress: bool = True) -> dict:
     is compiled when the checkpoint does not fit the config. Raises a RunFailed when a checkpoint
     cannot be restored although it is not damaged (RestoreFailed, nothing moved or trimmed), or
     when the coordinator of a multi-process run stops answering (CoordinatorFailed). The last
-    save is on disk before this returns or raises.
+    save is on disk before this returns or raises. `model` and `rules`: a module of your own and
+    its rules, as for Trainer.
     """
     cfg = session.cfg
-    trainer = Trainer(session)
+    trainer = Trainer(session, model, rules)
     checkpoints = Checkpoints(Path(cfg.run.dir) / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_)
-    try:
-        return _train(session, trainer, checkpoints, progress)
-    finally:
-        checkpoints.close()
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(checkpoints.close)
+        return _train(session, trainer, checkpoints, progress, cleanup)
 
 
-def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progress: bool) -> dict:
+def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progress: bool,
+           cleanup: contextlib.ExitStack) -> dict:
     cfg = session.cfg
     t = cfg.train
     run_dir = Path(cfg.run.dir)
@@ -139,6 +154,10 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     else:
         state, start = trainer.init(), 0
     history = trim_metrics(metrics_path, start, cfg) if primary else _kept_metrics(metrics_path, start, cfg)
+    board = None
+    if cfg.run.tensorboard and primary:
+        board = TensorBoardWriter(run_dir, start)
+        cleanup.callback(board.close)
     tokens_per_step = t.batch_size * cfg.model.seq_len
     processes = ""
     if jax.process_count() > 1:
@@ -155,9 +174,11 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     last_time = time.perf_counter()
     stop_on_nonfinite = t.on_nonfinite == "stop" and t.precision != "fp16"  # fp16 always skips such steps
 
-    def finish(step: int, metrics) -> None:
+    def finish(step: int, metrics, val_losses=None) -> None:
         nonlocal last_time
         values = {k: v.tolist() for k, v in jax.device_get(metrics).items()}  # scalars, or lists (per expert)
+        if val_losses is not None:
+            values["val_loss"] = float(np.mean(jax.device_get(val_losses)))
         if not values.pop("synced", True):  # local SGD: the replicas' spread is measured when they synchronize
             del values["replica_spread"]
         now = time.perf_counter()
@@ -166,6 +187,8 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
         records.append(record)
         if _logged(step, cfg) and primary:
             append_jsonl(metrics_path, record)
+            if board is not None:
+                board.record(record)
         bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
         if stop_on_nonfinite:
@@ -184,7 +207,10 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
                                                                       session.train_data.starts(index)))
                 if pending is not None:
                     finish(*pending)
-                step, pending = index + 1, (index + 1, metrics)
+                step = index + 1
+                # dispatched now, on this step's weights; read with its metrics
+                val = validation_losses(trainer, state.params, session) if _evaluated(step, t) else None
+                pending = (step, metrics, val)
                 stopping = agreement.should_stop(step, signals.received is not None)
                 if stopping or (every and step % every == 0):
                     # Read this step's metrics first: only a finite step is checkpointed.
@@ -206,7 +232,7 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
         _say(f"jaxpar: stopped by {stopped_by} after step {step}; the checkpoint at step {step} is in "
              f"{checkpoints.directory}, and the same command resumes from it.")
         return {"preempted": stopped_by, "step": step, "checkpoint_dir": str(checkpoints.directory)}
-    return _summarize(session, trainer, state, history, records, run_dir)
+    return _summarize(session, trainer, state, history, records, run_dir, board)
 
 
 def _nonfinite_message(step: int, name: str, value: float, checkpoints: Checkpoints) -> str:
@@ -219,10 +245,13 @@ def _nonfinite_message(step: int, name: str, value: float, checkpoints: Checkpoi
 
 
 def _summarize(session: Session, trainer: Trainer, state, history: list[dict], records: list[dict],
-               run_dir: Path) -> dict:
-    """Validation loss, a sample, summary.json and loss.png for a finished run."""
+               run_dir: Path, board: TensorBoardWriter | None) -> dict:
+    """Validation loss, a sample, summary.json and loss.png (and the validation loss on
+    TensorBoard) for a finished run."""
     cfg = session.cfg
     val_loss = validation_loss(trainer, state.params, session)
+    if board is not None:
+        board.validation(cfg.train.steps, val_loss)
     # An interleaved pipeline stores its stacked layers permuted; the sampler runs the plain model.
     params = trainer.to_model_order(jax.jit(trainer.weights)(state.params))
     moe = cfg.model.moe
@@ -235,10 +264,12 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
     else:
         # Every process takes part (the weights span them all); the prompt is replicated on the mesh.
         sample = greedy_sample(trainer.graphdef, params, SAMPLE_PROMPT, cfg.train.sample_tokens, cfg.model.seq_len,
-                               trainer.replicated)
+                               trainer.replicated, session.codec)
     every_step = history + records
     # The first step of a process includes compilation, so the median leaves it out.
-    steady = [r["tokens_per_s"] for r in (records[1:] or records or history)]
+    # Steps that also measured the validation loss took longer, so they are left out too.
+    timed = [r for r in records[1:] if "val_loss" not in r] or records[1:]
+    steady = [r["tokens_per_s"] for r in (timed or records or history)]
     summary = {
         "steps": cfg.train.steps,
         "first_loss": every_step[0]["loss"] if every_step else None,

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 
 from jaxpar.config import Config, TrainConfig
-from jaxpar.model import Transformer, layout_hooks
+from jaxpar.model import is_block_model, layout_hooks
 from jaxpar.parallel import Layout, PipelinePlan, StageFns, gradients
 from jaxpar.train.offload import offloaded_update
 from jaxpar.train.optim import Optimizer
@@ -35,7 +35,7 @@ class TrainState:
     outer: object = None  # local SGD with parallel.outer=nesterov: its OuterState (None otherwise)
 
 
-def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: str, hooks=None) -> Transformer:
+def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: str, hooks=None) -> nnx.Module:
     """The model on `params` in the compute dtype (the layout's hooks expand sharded weights)."""
     return nnx.merge(graphdef, cast_for_compute(hooks.model_weights(params) if hooks else params, precision))
 
@@ -70,13 +70,17 @@ def routing_stats(sums: dict, count: int) -> dict:
     return stats
 
 
-def objective(model: Transformer, tokens_BT: jax.Array, rows_B: jax.Array | None, t: TrainConfig, moe,
+def objective(model: nnx.Module, tokens_BT: jax.Array, rows_B: jax.Array | None, t: TrainConfig, moe,
               scan=None):
     """(cross-entropy + MoE auxiliary losses, stats): what training minimizes, and what it reports.
 
     rows_B: a routing-noise PRNG key per row (None: no noise). stats: 'loss' (the cross-entropy
-    alone) and, for MoE models, the routing statistics averaged over MoE layers.
+    alone) and, for MoE models, the routing statistics averaged over MoE layers. A model without
+    the block protocol (jaxpar.model.protocol) is called whole.
     """
+    if not is_block_model(model):
+        loss = _cross_entropy(model(tokens_BT[:, :-1]), tokens_BT)
+        return loss, {"loss": loss}
     x_BLD, routing = model.run_blocks(model.embed(tokens_BT[:, :-1]), scan, noise_B=rows_B)
     loss = _cross_entropy(model.logits(x_BLD), tokens_BT)
     if not routing:

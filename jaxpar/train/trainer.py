@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +13,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.session import Session
-from jaxpar.model import Transformer
+from jaxpar.model import Transformer, is_block_model
 from jaxpar.train import local_sgd
 from jaxpar.parallel import Layout, PipelinePlan, layout_rules
 from jaxpar.train.optim import Optimizer
+from jaxpar.validation import check_model_fits
 from jaxpar.train.precision import COMPUTE_DTYPES, LossScale
 from jaxpar.train.step import TrainState, make_eval_step, make_train_step
 
@@ -29,17 +31,26 @@ class Trainer:
     `to_model_order` view is what checkpoints, evaluation and verification see.
     """
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, model: Callable[[nnx.Rngs], nnx.Module] | None = None,
+                 rules: Mapping | None = None):
         cfg = self.cfg = session.cfg
         self.mesh = mesh = session.mesh
-        abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
+        # model(rngs) builds the module to train (None: jaxpar's Transformer for cfg.model); its own
+        # logical axis names join the rules table through `rules`. Both are kept as given, for a
+        # reference trainer of the same model on another config.
+        self.model, self.rules = model, rules
+        self._build = model or (lambda rngs: Transformer(cfg.model, rngs=rngs))
+        abstract_model = nnx.eval_shape(lambda: self._build(nnx.Rngs(cfg.train.seed)))
+        check_model_fits(is_block_model(abstract_model), type(abstract_model).__name__, cfg, session.mesh_sizes)
         self.graphdef, abstract_params = nnx.split(abstract_model)
-        rules = layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence)
-        self.layout = Layout.build(mesh, abstract_params, Transformer.STACKED_AT, cfg.parallel.zero,
+        stacked_at = abstract_model.STACKED_AT if is_block_model(abstract_model) else ()
+        rules = {**layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence),
+                 **(rules or {})}
+        self.layout = Layout.build(mesh, abstract_params, stacked_at, cfg.parallel.zero,
                                    COMPUTE_DTYPES[cfg.train.precision], rules,
                                    COMPUTE_DTYPES[cfg.parallel.grad_reduce_dtype])
         self.pipeline = PipelinePlan.build(cfg.parallel.pipeline, self.layout.sizes["stage"],
-                                           abstract_model.stacked_layers())
+                                           abstract_model.stacked_layers() if stacked_at else 0)
         self.optimizer = Optimizer.build(cfg.train, abstract_params)
         abstract_opt = jax.eval_shape(self.optimizer.tx.init, abstract_params)
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -48,7 +59,7 @@ class Trainer:
         self.replicas = session.mesh_sizes["data"] if cfg.parallel.sync_every > 1 else 0
         state_layout = self.layout
         if self.replicas:
-            state_layout = Layout.build(mesh, abstract_params, Transformer.STACKED_AT, 0,
+            state_layout = Layout.build(mesh, abstract_params, stacked_at, 0,
                                         COMPUTE_DTYPES[cfg.train.precision], local_sgd.replica_rules(rules))
         param_specs = state_layout.param_specs(abstract_params)
         scalar = PartitionSpec()
@@ -80,7 +91,7 @@ class Trainer:
         cfg = self.cfg
 
         def create():
-            params = self.pipeline.from_model_order(nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed))))
+            params = self.pipeline.from_model_order(nnx.state(self._build(nnx.Rngs(cfg.train.seed))))
             state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.tx.init(params),
                                LossScale.initial(cfg.train.precision), params if self.pipeline.stale_weights else None)
             if not self.replicas:

@@ -38,10 +38,11 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def verify(session: Session, log=print) -> dict:
-    """Run both sides for train.steps steps; return the result dict printed by the CLI."""
+def verify(session: Session, log=print, model=None, rules=None) -> dict:
+    """Run both sides for train.steps steps; return the result dict printed by the CLI. `model`
+    and `rules`: a module of your own and its rules, as for Trainer."""
     cfg = session.cfg
-    layout = Trainer(session)
+    layout = Trainer(session, model, rules)
     if layout.replicas:  # local SGD: against R single-device replicas synchronized by NumPy
         from jaxpar.train.verify_local import verify_local
 
@@ -51,7 +52,7 @@ def verify(session: Session, log=print) -> dict:
                 "layout": session.layout_name(), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
                 "param_max_rel_err": max(errors.values())}
     # In a multi-process run every process keeps its own reference on one of its own devices.
-    reference = Trainer(on_devices(reference_config(cfg), jax.local_devices()[:1]))
+    reference = Trainer(on_devices(reference_config(cfg), jax.local_devices()[:1]), model, rules)
     # The layout's arrays may span processes: copy them whole onto every device before reading them.
     gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
 

@@ -46,7 +46,7 @@ def verify_local(session: Session, layout, reference_cfg, steps: int, log) -> tu
     R = layout.replicas
     rows = cfg.train.batch_size // R
     reference = Trainer(on_devices(reference_cfg.replace(**{"train.batch_size": rows, "parallel.sync_every": 1}),
-                                   jax.local_devices()[:1]))
+                                   jax.local_devices()[:1]), layout.model, layout.rules)
     gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
     state = layout.init()
     start = jax.device_get(gather(state))

@@ -1,0 +1,144 @@
+"""A tokenized folder (`jaxpar tokenize` writes it; `data.source=DIR` reads it): tokenizer.json, the
+token ids as memory-mapped uint16 or uint32 shards, and meta.json (vocab size, dtype, token count,
+the shards, the hash of the inputs).
+
+Reading checks everything a shard's bytes can get wrong before anything is compiled: a missing
+shard, a size that is not the listed token count in the listed dtype (a wrong dtype or a file cut
+short), and a model vocabulary too small for the tokenizer. Windows are read through grain's
+random-access `MapDataset` over the shards, so a window may span two shards, and each process
+reads only the rows its devices hold (jaxpar.train.trainer.Trainer.put_windows).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.data.corpus import DataError
+
+META, TOKENIZER = "meta.json", "tokenizer.json"
+FORMAT = "jaxpar-tokens-1"
+DTYPES = ("uint16", "uint32")
+
+
+def is_token_folder(source: str) -> bool:
+    return Path(source, META).is_file()
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The smallest dtype of DTYPES that holds ids below `vocab_size`."""
+    return "uint16" if vocab_size <= 2 ** 16 else "uint32"
+
+
+class ShardedTokens:
+    """One token sequence over memory-mapped shards, or a contiguous part of it (a view: slicing
+    reads nothing). np.asarray(view) reads it."""
+
+    def __init__(self, shards: list[np.ndarray], start: int = 0, stop: int | None = None):
+        self._shards = shards
+        self._ends = np.cumsum([len(s) for s in shards])
+        self._start, self._stop = start, int(self._ends[-1]) if stop is None else stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, part: slice) -> "ShardedTokens":
+        start, stop, step = part.indices(len(self))
+        if step != 1:
+            raise ValueError("a token view takes contiguous slices only")
+        return ShardedTokens(self._shards, self._start + start, self._start + max(start, stop))
+
+    def __array__(self, dtype=None, copy=None):
+        pieces, begin = [], 0
+        for shard, end in zip(self._shards, self._ends):
+            lo, hi = max(self._start, begin), min(self._stop, int(end))
+            if lo < hi:
+                pieces.append(np.asarray(shard[lo - begin:hi - begin]))
+            begin = int(end)
+        whole = np.concatenate(pieces) if pieces else np.zeros(0, self._shards[0].dtype)
+        return whole if dtype is None else whole.astype(dtype)
+
+    def window_reader(self, width: int):
+        """read(start) -> the `width` tokens from `start`, through a grain MapDataset."""
+        import grain
+
+        tokens = self
+        starts = len(self) - width + 1
+
+        class Windows:  # grain's random-access source protocol: __len__ and __getitem__
+            def __len__(self):
+                return starts
+
+            def __getitem__(self, start):
+                return np.asarray(tokens[start:start + width])
+
+        dataset = grain.MapDataset.source(Windows())
+        return lambda start: dataset[int(start)]
+
+
+def _meta(folder: Path) -> dict:
+    try:
+        meta = json.loads((folder / META).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"data.source '{folder}': its {META} cannot be read ({type(e).__name__}).") from None
+    fields = {"format": str, "vocab_size": int, "dtype": str, "tokens": int, "shards": list}
+    if (not isinstance(meta, dict) or any(not isinstance(meta.get(k), t) for k, t in fields.items())
+            or meta["format"] != FORMAT):
+        raise DataError(f"data.source '{folder}': {META} is not one `jaxpar tokenize` wrote "
+                        f"(it needs format '{FORMAT}', vocab_size, dtype, tokens and shards).")
+    return meta
+
+
+def open_token_folder(source: str, vocab_size: int) -> tuple[ShardedTokens, dict]:
+    """(the folder's tokens, its meta.json), checked against model.vocab_size; raises DataError."""
+    folder = Path(source)
+    meta = _meta(folder)
+    if meta["dtype"] not in DTYPES:
+        raise DataError(f"data.source '{folder}': {META} gives dtype {meta['dtype']!r}; it must be one of "
+                        f"{', '.join(DTYPES)}.")
+    if meta["vocab_size"] > vocab_size:
+        raise DataError(f"data.source '{folder}' was tokenized with a vocabulary of {meta['vocab_size']}, more "
+                        f"than model.vocab_size={vocab_size}; set model.vocab_size={meta['vocab_size']}.")
+    if not (folder / TOKENIZER).is_file():
+        raise DataError(f"data.source '{folder}' has no {TOKENIZER}.")
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    shards = []
+    for entry in meta["shards"]:
+        path = folder / str(entry.get("file", "")) if isinstance(entry, dict) else None
+        count = entry.get("tokens") if isinstance(entry, dict) else None
+        if path is None or not isinstance(count, int):
+            raise DataError(f"data.source '{folder}': {META} lists a shard without its file and token count.")
+        if not path.is_file():
+            raise DataError(f"data.source '{folder}': shard {path.name} listed in {META} is missing.")
+        size = path.stat().st_size
+        if size != count * itemsize:
+            raise DataError(f"data.source '{folder}': shard {path.name} is {size} bytes, but {META} says {count} "
+                            f"{meta['dtype']} tokens ({count * itemsize} bytes): a wrong dtype or a file cut short.")
+        if count:
+            shards.append(np.memmap(path, dtype=meta["dtype"], mode="r"))
+    total = sum(len(s) for s in shards)
+    if total != meta["tokens"] or not shards:
+        raise DataError(f"data.source '{folder}': its shards hold {total} tokens, but {META} says {meta['tokens']}.")
+    return ShardedTokens(shards), meta
+
+
+class TextCodec:
+    """Text <-> token ids for prompts and samples: bytes (UTF-8) for text sources, the folder's
+    tokenizer for a tokenized folder."""
+
+    def __init__(self, tokenizer_file: Path | None = None):
+        self._tokenizer = None
+        if tokenizer_file is not None:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8")) if self._tokenizer is None else self._tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self._tokenizer is None:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return self._tokenizer.decode(ids)
