@@ -55,7 +55,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"\nvalidation loss {summary['val_loss']:.4f}")
     if summary["sample"] is not None:
         print(f"sample: {summary['sample']!r}")
-    print(f"outputs in {session.cfg.run.dir}/: metrics.jsonl, summary.json, loss.png")
+    board = ", tensorboard/" if session.cfg.run.tensorboard else ""
+    print(f"outputs in {session.cfg.run.dir}/: metrics.jsonl, summary.json, loss.png{board}")
     return 0
 
 

@@ -1,0 +1,127 @@
+"""Your data: `jaxpar tokenize` (a byte-level BPE trained offline), training on the tokenized folder
+with periodic validation, exact resumes, the folder's checks before compiling, and TensorBoard."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import metrics, train_here
+from jaxpar.cli import main
+
+
+@pytest.fixture(scope="module")
+def docs_and_tokens(tmp_path_factory):
+    """The built-in corpus as a text file, and its folder tokenized with a 2048-token BPE."""
+    from jaxpar.data import builtin_text
+
+    root = tmp_path_factory.mktemp("tokens")
+    docs = root / "docs.txt"
+    docs.write_text(builtin_text(), encoding="utf-8")
+    assert main(["tokenize", "--input", str(docs), "--vocab-size", "2048", "--out", str(root / "tok"),
+                 "--no-progress"]) == 0
+    return docs, root / "tok"
+
+
+def test_tokenize_writes_a_lossless_folder(docs_and_tokens):
+    from tokenizers import Tokenizer
+
+    docs, tok = docs_and_tokens
+    meta = json.loads((tok / "meta.json").read_text())
+    assert meta["vocab_size"] == 2048 and meta["dtype"] == "uint16" and len(meta["inputs_sha256"]) == 64
+    ids = np.concatenate([np.fromfile(tok / s["file"], np.uint16) for s in meta["shards"]])
+    assert len(ids) == meta["tokens"] and 0 < ids.max() < 2048
+    assert Tokenizer.from_file(str(tok / "tokenizer.json")).decode(ids.tolist()) == docs.read_text(encoding="utf-8")
+
+
+def test_train_on_tokens_with_periodic_validation(docs_and_tokens, tmp_path, capsys):
+    """The issue's acceptance run: the default model, 60 steps, validation every 20."""
+    _, tok = docs_and_tokens
+    run = tmp_path / "run"
+    code = main(["train", "configs/default.yaml", f"data.source={tok}", "model.vocab_size=2048", "train.steps=60",
+                 "train.eval_every=20", f"run.dir={run}", "--no-progress"])
+    assert code == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [20, 40, 60]
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    sample = json.loads((run / "summary.json").read_text())["sample"]
+    assert sample.startswith("The ") and len(sample) > len("The ")  # decoded by the tokenizer, not as bytes
+
+
+def test_resume_on_token_files_repeats_the_same_batches(docs_and_tokens, tmp_path, capsys):
+    _, tok = docs_and_tokens
+    data = [f"data.source={tok}", "model.vocab_size=2048"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert train_here(capsys, whole, *data, "train.steps=8")[0] == 0
+    assert train_here(capsys, cut, *data, "train.steps=4", "checkpoint.every=4")[0] == 0
+    assert train_here(capsys, cut, *data, "train.steps=8")[0] == 0
+    assert metrics(cut) == metrics(whole)
+
+
+def _broken(tok: Path, tmp_path: Path, damage) -> Path:
+    copy = tmp_path / "tok"
+    shutil.copytree(tok, copy)
+    damage(copy, json.loads((copy / "meta.json").read_text()))
+    return copy
+
+
+def _rewrite_meta(**changes):
+    def damage(folder, meta):
+        (folder / "meta.json").write_text(json.dumps({**meta, **changes}))
+    return damage
+
+
+@pytest.mark.parametrize("damage, vocab, words", [
+    (lambda folder, meta: (folder / meta["shards"][0]["file"]).unlink(), 2048, "is missing"),
+    (_rewrite_meta(dtype="uint32"), 2048, "a wrong dtype or a file cut short"),
+    (lambda folder, meta: (folder / meta["shards"][0]["file"]).write_bytes(b"\0" * 10), 2048, "file cut short"),
+    (lambda folder, meta: None, 1024, "set model.vocab_size=2048"),
+    (lambda folder, meta: (folder / "meta.json").write_text("{not json"), 2048, "cannot be read"),
+])
+def test_a_bad_data_folder_exits_2_in_one_sentence_before_compiling(docs_and_tokens, tmp_path, capsys, damage, vocab,
+                                                                    words):
+    _, tok = docs_and_tokens
+    folder = _broken(tok, tmp_path, damage)
+    run = tmp_path / "run"
+    code = main(["train", "configs/tiny_test.yaml", f"data.source={folder}", f"model.vocab_size={vocab}",
+                 f"run.dir={run}", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and words in err and len(err.splitlines()) == 1, err
+    assert not run.exists()  # nothing written
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--vocab-size", "100"], "--vocab-size must be between 257"),
+    (["--vocab-size", "512", "--tokenizer", "{tmp}/none.json"], "is not a file"),
+])
+def test_tokenize_refuses_bad_arguments(docs_and_tokens, tmp_path, capsys, args, words):
+    docs, _ = docs_and_tokens
+    out = tmp_path / "out"
+    code = main(["tokenize", "--input", str(docs), "--out", str(out), *[a.format(tmp=tmp_path) for a in args]])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and words in err and len(err.splitlines()) == 1 and not out.exists(), err
+
+
+def test_tokenize_applies_an_existing_tokenizer_and_never_overwrites(docs_and_tokens, tmp_path, capsys):
+    docs, tok = docs_and_tokens
+    again = tmp_path / "again"
+    assert main(["tokenize", "--input", str(docs), "--tokenizer", str(tok / "tokenizer.json"), "--out", str(again),
+                 "--no-progress"]) == 0
+    assert (again / "tokens-00000.bin").read_bytes() == (tok / "tokens-00000.bin").read_bytes()
+    assert main(["tokenize", "--input", str(docs), "--vocab-size", "512", "--out", str(again)]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+
+
+def test_tensorboard_event_files_load_with_tensorboards_reader(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    assert train_here(capsys, run, "train.steps=6", "train.eval_every=3", "run.tensorboard=true")[0] == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
+    assert [e.step for e in events.Scalars("validation/loss")] == [3, 6, 6]  # every 3 steps, and the final one
