@@ -40,6 +40,19 @@ def test_the_readme_example_runs_and_agrees_with_one_device(capsys):
         "stage", None, None, ("tensor", "data"))
 
 
+def test_the_readme_model_pipelines_with_remat(tmp_path):
+    """The block protocol is all a pipeline needs: the README's model on data=2 x tensor=2 x stage=2."""
+    namespace = {"__name__": "readme_example"}
+    exec(compile(readme_example().split("# ZeRO-3 on data=4")[0], "README.md", "exec"), namespace)
+    session = prepare(load_config(None, [f"run.dir={tmp_path}", "mesh.data=2", "mesh.tensor=2", "mesh.stage=2",
+                                         "parallel.zero=1", "train.remat=full", "train.steps=3", "model.d_model=64",
+                                         "model.n_layers=2", "model.d_ff=256", "model.seq_len=64",
+                                         "train.batch_size=16"]))
+    result = verify(session, model=lambda rngs: namespace["ParallelLM"](session.cfg.model, rngs=rngs),
+                    rules={"ffn_hidden": "tensor"}, log=lambda line: None)
+    assert result["ok"] and result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4, result
+
+
 class WholeLM(nnx.Module):
     """A model with only __call__: embedding, one tanh layer with its own hidden name, tied logits."""
 
