@@ -14,10 +14,11 @@ from jaxpar.train.trainer import Trainer
 
 
 def test_fp16_follows_the_fp32_loss_curve(session_for):
-    """The default model, 100 steps: fp16 with loss scaling stays within 2% of fp32 at every step."""
+    """The tiny preset's shape, 100 steps: fp16 with loss scaling stays within 2% of fp32 at every step."""
     losses = {}
+    tiny = ["model.d_model=64", "model.n_layers=2", "model.d_ff=256", "model.seq_len=64", "train.batch_size=16"]
     for precision in ("fp32", "fp16"):
-        session = session_for("mesh.data=8", "train.steps=100", f"train.precision={precision}")
+        session = session_for(*tiny, "mesh.data=8", "train.steps=100", f"train.precision={precision}")
         trainer = Trainer(session)
         state, history = trainer.init(), []
         for index in range(100):
