@@ -139,6 +139,22 @@ def save_figure(fig, path: Path, dpi: int = 110) -> None:
 
 # ---------------------------------------------------------------- training curves
 
+def curves_setup(doc: str, *, steps: int, min_steps: int, layout: list[str]):
+    """(steps, base config, devices) of a script comparing training curves: its command line
+    ([key=value ...] [--steps N], described by the first line of `doc`), the config of `layout`
+    then the overrides, and the devices set up for it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("settings", nargs="*", help="key=value overrides")
+    parser.add_argument("--steps", type=int, default=steps, help="training steps of each run (default %(default)s)")
+    args = parser.parse_args()
+    if args.steps < min_steps:
+        parser.error(f"--steps must be at least {min_steps}")
+    base = load_settings([*layout, f"train.steps={args.steps}", *args.settings])
+    from jaxpar.runtime import setup_devices
+
+    return args.steps, base, setup_devices(base)
+
+
 def train_losses(cfg, devices: list, steps: int) -> tuple[list[float], float]:
     """(the training loss of each of `steps` steps of `cfg` from a fresh state, the median seconds
     of a step after the first, which compiles), on the batches jaxpar's loop would feed it

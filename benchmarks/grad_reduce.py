@@ -15,30 +15,20 @@ the figure goes to benchmarks/results/grad_reduce.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from common import RESULTS, data_axis_bytes_sent, load_settings, markdown, pyplot, save_figure, train_losses
+from common import RESULTS, curves_setup, data_axis_bytes_sent, markdown, pyplot, save_figure, train_losses
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("settings", nargs="*", help="key=value overrides")
-    parser.add_argument("--steps", type=int, default=200)
-    args = parser.parse_args()
-    if args.steps < 21:
-        parser.error("--steps must be more than 20")
-    base = load_settings(["mesh.data=8", "mesh.tensor=1", "parallel.zero=2", f"train.steps={args.steps}",
-                          *args.settings])
-    from jaxpar.runtime import setup_devices
-
-    devices = setup_devices(base)
+    steps, base, devices = curves_setup(__doc__, steps=200, min_steps=21,
+                                        layout=["mesh.data=8", "mesh.tensor=1", "parallel.zero=2"])
     curves, sent, speed = {}, {}, {}
     for dtype in ("fp32", "bf16"):
         cfg = base.replace(**{"parallel.grad_reduce_dtype": dtype})
-        print(f"grad_reduce: {dtype}, {args.steps} steps", file=sys.stderr)
-        curves[dtype], seconds = train_losses(cfg, devices, args.steps)
+        print(f"grad_reduce: {dtype}, {steps} steps", file=sys.stderr)
+        curves[dtype], seconds = train_losses(cfg, devices, steps)
         speed[dtype] = cfg.train.batch_size * cfg.model.seq_len / seconds
         sent[dtype] = data_axis_bytes_sent(cfg, devices)
     gaps = [abs(b - f) / f for f, b in zip(curves["fp32"], curves["bf16"])]
@@ -50,11 +40,11 @@ def main() -> int:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for dtype in curves:
-        ax.plot(range(1, args.steps + 1), curves[dtype], label=f"gradients reduced in {dtype}", lw=1)
+        ax.plot(range(1, steps + 1), curves[dtype], label=f"gradients reduced in {dtype}", lw=1)
     ax.set(xlabel="step", ylabel="training loss", title="mesh.data=8, ZeRO-2, fp32 compute")
     ax.legend()
     save_figure(fig, RESULTS / "grad_reduce.png")
-    print(json.dumps({"steps": args.steps, "final_loss": {d: c[-1] for d, c in curves.items()},
+    print(json.dumps({"steps": steps, "final_loss": {d: c[-1] for d, c in curves.items()},
                       "max_rel_gap": max(gaps), "max_rel_gap_after_20": max(gaps[20:]),
                       "data_bytes_sent_per_step": sent, "tokens_per_s": speed}))
     return 0

@@ -22,11 +22,10 @@ waited for, the first (compiling) one left out), then one JSON line with every n
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from common import RESULTS, data_axis_bytes_sent, load_settings, markdown, pyplot, save_figure, train_losses
+from common import RESULTS, curves_setup, data_axis_bytes_sent, markdown, pyplot, save_figure, train_losses
 
 RUNS = [(1, "avg"), (4, "avg"), (4, "nesterov"), (8, "avg"), (8, "nesterov"), (16, "avg"), (16, "nesterov")]
 
@@ -36,23 +35,14 @@ def _running_mean(values: list[float], window: int) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("settings", nargs="*", help="key=value overrides")
-    parser.add_argument("--steps", type=int, default=120)
-    args = parser.parse_args()
-    if args.steps < 10:
-        parser.error("--steps must be at least 10")
-    base = load_settings(["mesh.data=4", "mesh.tensor=2", f"train.steps={args.steps}", *args.settings])
-    from jaxpar.runtime import setup_devices
-
-    devices = setup_devices(base)
+    steps, base, devices = curves_setup(__doc__, steps=120, min_steps=10, layout=["mesh.data=4", "mesh.tensor=2"])
     results = []
     for H, outer in RUNS:
         cfg = base.replace(**{"parallel.sync_every": H, "parallel.outer": outer})
-        print(f"local_sgd: H={H} outer={outer}, {args.steps} steps", file=sys.stderr)
-        losses, seconds = train_losses(cfg, devices, args.steps)
+        print(f"local_sgd: H={H} outer={outer}, {steps} steps", file=sys.stderr)
+        losses, seconds = train_losses(cfg, devices, steps)
         per_event = data_axis_bytes_sent(cfg, devices)
-        events = [(s + 1) // H for s in range(args.steps)]  # steps (H=1) or synchronizations so far
+        events = [(s + 1) // H for s in range(steps)]  # steps (H=1) or synchronizations so far
         results.append({"H": H, "outer": outer if H > 1 else "sync", "losses": losses,
                         "bytes_per_event": per_event, "bytes": [n * per_event for n in events],
                         "final_loss": sum(losses[-10:]) / 10, "last_loss": losses[-1],
@@ -69,9 +59,9 @@ def main() -> int:
     for r in results:
         label = "H=1 (synchronous)" if r["H"] == 1 else f"H={r['H']} {r['outer']}"
         smooth = _running_mean(r["losses"], 10)
-        by_step.plot(range(1, args.steps + 1), smooth, label=label, lw=1)
+        by_step.plot(range(1, steps + 1), smooth, label=label, lw=1)
         # one point per synchronization (H=1: per step): the bytes sent so far, the loss then
-        at = [s for s in range(args.steps) if (s + 1) % r["H"] == 0]
+        at = [s for s in range(steps) if (s + 1) % r["H"] == 0]
         by_bytes.plot([r["bytes"][s] / 2**20 for s in at], [smooth[s] for s in at], label=label, lw=1,
                       marker="." if r["H"] > 1 else None)
     by_step.set(xlabel="step", ylabel="training loss (mean of the last 10 steps)", title="loss against step")
@@ -79,7 +69,7 @@ def main() -> int:
                  xscale="log", title="loss against bytes communicated")
     by_step.legend(fontsize=8)
     save_figure(fig, RESULTS / "local_sgd.png")
-    print(json.dumps({"steps": args.steps, "runs": [{k: v for k, v in r.items() if k not in ("losses", "bytes")}
+    print(json.dumps({"steps": steps, "runs": [{k: v for k, v in r.items() if k not in ("losses", "bytes")}
                                                     for r in results]}))
     return 0
 
