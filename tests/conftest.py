@@ -93,3 +93,13 @@ def trainer():
 
     session = prepare(load_config(BASE[0], BASE[1:]))
     return Trainer(session)
+
+
+def resumed_run_matches(capsys, tmp_path: Path, settings: list[str], steps: int, cut: int) -> bool:
+    """Whether a run of `steps` steps cut at a checkpoint at `cut` and resumed logs exactly the metrics
+    of the uninterrupted run (both train in this process with BASE and `settings`)."""
+    whole, resumed = tmp_path / "whole", tmp_path / "cut"
+    assert train_here(capsys, whole, *settings, f"train.steps={steps}")[0] == 0
+    assert train_here(capsys, resumed, *settings, f"train.steps={cut}", f"checkpoint.every={cut}")[0] == 0
+    assert train_here(capsys, resumed, *settings, f"train.steps={steps}")[0] == 0
+    return metrics(resumed) == metrics(whole)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import metrics, train_here
+from conftest import resumed_run_matches
 from jaxpar.train import verify_local as verify_local_module
 from jaxpar.train.verify import TOLERANCES, verify
 
@@ -109,11 +109,8 @@ def test_local_sgd_has_no_gradient_all_reduce_over_data(tiny):
 
 def test_local_sgd_checkpoint_resumes_exactly(tmp_path, capsys):
     common = ["mesh.data=4", "mesh.tensor=2", "parallel.sync_every=3", "parallel.outer=nesterov"]
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert train_here(capsys, whole, *common, "train.steps=8")[0] == 0
-    assert train_here(capsys, cut, *common, "train.steps=4", "checkpoint.every=4")[0] == 0
-    assert train_here(capsys, cut, *common, "train.steps=8")[0] == 0
-    assert metrics(cut) == metrics(whole)
+    assert resumed_run_matches(capsys, tmp_path, common, steps=8, cut=4)
+    whole = tmp_path / "whole"
     rows = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "replica_spread" in r] == [3, 6]
     assert all(r["replica_spread"] > 0 for r in rows if "replica_spread" in r)
@@ -122,8 +119,4 @@ def test_local_sgd_checkpoint_resumes_exactly(tmp_path, capsys):
 def test_offloaded_optimizer_checkpoint_resumes_exactly(tmp_path, capsys):
     """The state saved from pinned host memory restores into it and training goes on bit-identically."""
     common = ["mesh.data=4", "mesh.tensor=2", "parallel.zero=1", "train.offload=both"]
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert train_here(capsys, whole, *common, "train.steps=6")[0] == 0
-    assert train_here(capsys, cut, *common, "train.steps=3", "checkpoint.every=3")[0] == 0
-    assert train_here(capsys, cut, *common, "train.steps=6")[0] == 0
-    assert metrics(cut) == metrics(whole)
+    assert resumed_run_matches(capsys, tmp_path, common, steps=6, cut=3)

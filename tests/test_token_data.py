@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import metrics, train_here
+from conftest import resumed_run_matches, train_here
 from jaxpar.cli import main
 
 
@@ -52,12 +52,7 @@ def test_train_on_tokens_with_periodic_validation(docs_and_tokens, tmp_path, cap
 
 def test_resume_on_token_files_repeats_the_same_batches(docs_and_tokens, tmp_path, capsys):
     _, tok = docs_and_tokens
-    data = [f"data.source={tok}", "model.vocab_size=2048"]
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert train_here(capsys, whole, *data, "train.steps=8")[0] == 0
-    assert train_here(capsys, cut, *data, "train.steps=4", "checkpoint.every=4")[0] == 0
-    assert train_here(capsys, cut, *data, "train.steps=8")[0] == 0
-    assert metrics(cut) == metrics(whole)
+    assert resumed_run_matches(capsys, tmp_path, [f"data.source={tok}", "model.vocab_size=2048"], steps=8, cut=4)
 
 
 def _broken(tok: Path, tmp_path: Path, damage) -> Path:

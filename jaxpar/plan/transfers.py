@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 
