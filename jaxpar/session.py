@@ -72,8 +72,7 @@ class Session:
     def codec(self) -> TextCodec:
         """Text <-> token ids (prompts and samples): the tokenized folder's tokenizer, else bytes."""
         source = self.cfg.data.source
-        folder = source != "builtin" and is_token_folder(source)
-        return TextCodec(Path(source) / TOKENIZER if folder else None)
+        return TextCodec(Path(source) / TOKENIZER if is_token_folder(source) else None)
 
     @property
     def train_data(self) -> BatchSampler:

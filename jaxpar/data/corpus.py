@@ -38,8 +38,8 @@ def load_tokens(source: str, vocab_size: int) -> np.ndarray:
 def _load_tokens(source: str, vocab_size: int) -> np.ndarray:
     from jaxpar.data.token_folder import is_token_folder, open_token_folder
 
-    if source != "builtin" and is_token_folder(source):
-        return open_token_folder(source, vocab_size)[0]
+    if is_token_folder(source):
+        return open_token_folder(source, vocab_size)
     if source == "builtin" or not source.endswith(".bin"):
         if vocab_size < BYTE_VOCAB:
             raise DataError(f"text is tokenized as bytes, so model.vocab_size must be at least {BYTE_VOCAB}, "

@@ -24,7 +24,8 @@ DTYPES = ("uint16", "uint32")
 
 
 def is_token_folder(source: str) -> bool:
-    return Path(source, META).is_file()
+    """Whether data.source names a folder `jaxpar tokenize` wrote (one with a meta.json)."""
+    return source != "builtin" and Path(source, META).is_file()
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -91,8 +92,8 @@ def _meta(folder: Path) -> dict:
     return meta
 
 
-def open_token_folder(source: str, vocab_size: int) -> tuple[ShardedTokens, dict]:
-    """(the folder's tokens, its meta.json), checked against model.vocab_size; raises DataError."""
+def open_token_folder(source: str, vocab_size: int) -> ShardedTokens:
+    """The folder's tokens, checked against its meta.json and model.vocab_size; raises DataError."""
     folder = Path(source)
     meta = _meta(folder)
     if meta["dtype"] not in DTYPES:
@@ -121,7 +122,7 @@ def open_token_folder(source: str, vocab_size: int) -> tuple[ShardedTokens, dict
     total = sum(len(s) for s in shards)
     if total != meta["tokens"] or not shards:
         raise DataError(f"data.source '{folder}': its shards hold {total} tokens, but {META} says {meta['tokens']}.")
-    return ShardedTokens(shards), meta
+    return ShardedTokens(shards)
 
 
 class TextCodec:

@@ -7,9 +7,12 @@ is an all-to-all of bf16 blocks (each device sends every other device the block 
 bytes a ring reduce-scatter sends) followed by an fp32 sum of the blocks received; an all-reduce
 is that reduce-scatter and an all-gather of the bf16-rounded sums (the bytes of a ring
 all-reduce). The result is fp32, so what reaches the optimizer and the fp32 master weights stays
-fp32; only the payload is rounded to bf16. XLA:CPU aborts on a bf16 all-reduce inside the step
-("Invalid binary instruction opcode copy", jax 0.12.0.1), and an fp32 sum of bf16 payloads is
-the more accurate reduction anyway.
+fp32; only the payload is rounded to bf16.
+
+Why not a bf16 all-reduce: XLA:CPU aborts on one inside the step ("Invalid binary instruction
+opcode copy", jax 0.12.0.1), it widens bf16 all-to-alls and all-gathers to fp32 (sending fp32
+bytes), and an fp32 sum of bf16 payloads is the more accurate reduction anyway. So the blocks
+travel as their 16-bit patterns (uint16), which no backend widens: moving data needs no arithmetic.
 """
 
 from __future__ import annotations

@@ -41,9 +41,10 @@ class Trainer:
         self.model, self.rules = model, rules
         self._build = model or (lambda rngs: Transformer(cfg.model, rngs=rngs))
         abstract_model = nnx.eval_shape(lambda: self._build(nnx.Rngs(cfg.train.seed)))
-        check_model_fits(is_block_model(abstract_model), type(abstract_model).__name__, cfg, session.mesh_sizes)
+        block_model = is_block_model(abstract_model)
+        check_model_fits(block_model, type(abstract_model).__name__, cfg, session.mesh_sizes)
         self.graphdef, abstract_params = nnx.split(abstract_model)
-        stacked_at = abstract_model.STACKED_AT if is_block_model(abstract_model) else ()
+        stacked_at = abstract_model.STACKED_AT if block_model else ()
         rules = {**layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence),
                  **(rules or {})}
         self.layout = Layout.build(mesh, abstract_params, stacked_at, cfg.parallel.zero,
