@@ -43,6 +43,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar.model import Transformer  # noqa: E402
+from jaxpar.plan.model_flops import flops_per_token  # noqa: E402
 
 # Peak dense FLOP/s per device by compute dtype (fp32 runs its matmuls as TF32), matched by
 # substring of device_kind (first match wins). Vendor datasheet figures, without sparsity.
@@ -91,25 +92,6 @@ def layouts(n: int) -> list[tuple[int, int]]:
 def trainer_seconds(cfg, devices, batches: list[np.ndarray], warmup: int) -> float:
     """Time jaxpar's Trainer step for cfg's mesh over `devices`."""
     return time_trainer(trainer_on(cfg, devices), batches, warmup)[0]
-
-
-def active_params(cfg) -> int:
-    """Parameters one token uses: all of a dense model; in an MoE layer, the router and the
-    top-k experts (top-1 for Switch and, on average, capacity_factor for Expert Choice) of E."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
-    moe = cfg.model.moe
-    per_token = {"topk": moe.top_k, "switch": 1, "expert_choice": moe.capacity_factor}[moe.router]
-    total = 0.0
-    for path, leaf in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        names = leaf.get_metadata().get("out_sharding") or ()
-        total += leaf.size * (per_token / moe.experts if "expert" in names else 1)
-    return int(total)
-
-
-def flops_per_token(cfg) -> float:
-    """6 * active params (forward + backward matmuls) + 12 * layers * d_model * seq_len (attention)."""
-    m = cfg.model
-    return 6 * active_params(cfg) + 12 * m.n_layers * m.d_model * m.seq_len
 
 
 def peak_flops(device, precision: str) -> float | None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from jaxpar.config import ConfigError, load_config
+from jaxpar.config import ConfigError, flatten_dict, load_config, parse_override
 from jaxpar.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, RunFailed, UserError
 
 
@@ -81,18 +82,73 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if not args.search and (args.memory_gb is not None or args.top is not None or args.processes):
+        raise ConfigError("--memory-gb, --top and --processes belong to a layout search; add --search.")
+    if args.search:
+        return _plan_search(args)
     from jaxpar.session import prepare
 
     session = prepare(_load(args.settings))
     from jaxpar.plan import format_report, measure_step
     from jaxpar.train.trainer import Trainer
 
-    plan = measure_step(Trainer(session))
+    trainer = Trainer(session)
+    plan = measure_step(trainer)
+    if args.hardware:
+        from jaxpar.hardware import profile
+        from jaxpar.plan.roofline import host_spanning_axes, predict
+
+        table = trainer.pipeline.table
+        plan["predicted"] = predict(plan, profile(args.hardware, session.devices), session.cfg.train.precision,
+                                    table.idle_fraction if table is not None else 0.0,
+                                    host_spanning_axes(session.mesh_sizes, session.process_split)).to_dict()
     from jaxpar import distributed
 
     if not distributed.is_secondary():  # per-device figures: every process compiled the same program
         print(format_report(plan))
         print(json.dumps({k: v for k, v in plan.items() if k != "collective_ops"}))
+    return 0
+
+
+def _plan_search(args: argparse.Namespace) -> int:
+    from jaxpar import distributed
+    from jaxpar.plan.search import MESH_KEYS, SEARCHED_KEYS
+
+    if distributed.from_environment() is not None:
+        raise ConfigError("plan --search compiles every layout in one process; run it outside jaxpar launch.")
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        raise ConfigError(f"--memory-gb must be positive, got {args.memory_gb:g}.")
+    if args.processes < 0:
+        raise ConfigError(f"--processes must be 0 (automatic) or more, got {args.processes}.")
+    if args.top is not None and args.top < 1:
+        raise ConfigError(f"--top must be at least 1, got {args.top}.")
+    path, overrides = _split_args(args.settings)
+    cfg = _load(args.settings)
+    given = {key for key, _ in map(parse_override, overrides)}
+    flat = flatten_dict(cfg.to_dict())
+    fixed = {k: flat[k] for k in SEARCHED_KEYS if k in given and not (k in MESH_KEYS and flat[k] == -1)}
+    from jaxpar.runtime import setup_devices
+
+    devices = setup_devices(cfg)
+    from jaxpar.plan import search_report
+    from jaxpar.hardware import PROFILES, for_device_kind, profile
+    from jaxpar.plan.model_flops import flops_per_token
+    from jaxpar.plan.search import search
+
+    name = args.hardware or ("cpu" if devices[0].platform == "cpu" else for_device_kind(devices[0].device_kind))
+    if name is None:
+        raise ConfigError(f"no hardware profile matches {devices[0].device_kind!r}; "
+                          f"give --hardware (one of {', '.join(PROFILES)}).")
+    hardware = profile(name, devices)
+    budget = args.memory_gb * 1e9 if args.memory_gb is not None else hardware.memory_bytes
+    result = search(cfg, devices, hardware, budget, fixed, progress=not args.no_progress,
+                    processes=args.processes or min(os.cpu_count() or 1, MAX_SEARCH_PROCESSES), top=args.top or 10)
+    best = search_report.best_overrides(result)
+    print(search_report.table(result, args.top or 10))
+    settings = [*([path] if path else []), *(o for o in overrides if parse_override(o)[0] not in SEARCHED_KEYS)]
+    print("train it: jaxpar train " + " ".join([*settings, *(f"{k}={v}" for k, v in best.items())]))
+    per_step = flops_per_token(cfg) * cfg.train.batch_size * cfg.model.seq_len
+    print(json.dumps(search_report.summary(result, best, per_step, cfg.train.precision, len(devices))))
     return 0
 
 
@@ -128,6 +184,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch(args.processes, command, args.devices_per_process, args.grace, args.verbose)
 
 
+MAX_SEARCH_PROCESSES = 4  # each compiling process holds its own jax and XLA (about 1 GB)
 SETTINGS_HELP = "an optional CONFIG.yaml followed by key=value overrides (e.g. mesh.tensor=2)"
 
 
@@ -150,8 +207,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add_command(sub, "train", cmd_train, "train a model and write metrics, summary, plot and a sample",
                      reads_config=True)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    _add_command(sub, "plan", cmd_plan, "compile the step and report per-device memory, FLOPs and collectives",
-                 reads_config=True)
+    p = _add_command(sub, "plan", cmd_plan, "compile the step and report per-device memory, FLOPs and collectives; "
+                                            "--search ranks every layout by predicted step time", reads_config=True)
+    from jaxpar.hardware import PROFILES
+
+    p.add_argument("--search", action="store_true",
+                   help="compile every valid layout of the model on these devices and rank them by predicted step "
+                        "time within the memory budget")
+    p.add_argument("--hardware", choices=PROFILES,
+                   help="the hardware profile of the roofline (default: the devices' own; cpu is measured here "
+                        "once and cached); without --search, adds the predicted step time to the plan")
+    p.add_argument("--memory-gb", type=float, help="memory budget per device in GB (default: the profile's memory)")
+    p.add_argument("--top", type=int, help="rows of the ranked table (default 10)")
+    p.add_argument("--processes", type=int, default=0,
+                   help=f"processes compiling layouts at once (default 0: one per core, at most {MAX_SEARCH_PROCESSES})")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --search")
     p = _add_command(sub, "schedule", cmd_schedule, "draw a pipeline schedule and print its idle fraction")
     p.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved or 2bw")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S")

@@ -148,6 +148,6 @@ class Trainer:
         T = self.cfg.model.seq_len + 1
         return jax.ShapeDtypeStruct((self.cfg.train.batch_size, T), jnp.int32, sharding=self.batch_sharding)
 
-    def compile_step(self):
+    def compile_step(self, compiler_options: dict | None = None):
         """Lower and compile the train step without running it (for plans and HLO checks)."""
-        return self.step.lower(jax.eval_shape(self.init), self.abstract_batch()).compile()
+        return self.step.lower(jax.eval_shape(self.init), self.abstract_batch()).compile(compiler_options)

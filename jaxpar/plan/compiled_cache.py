@@ -1,0 +1,92 @@
+"""What one layout's compiled step measures (`measure_step`), kept on disk so that a repeated
+search, or a benchmark after a search, compiles nothing it compiled before.
+
+An entry is keyed by everything its program depends on: the config (less the run section,
+which names folders and devices), the device count, the jax and jaxlib versions, and the
+source of the jaxpar package less the modules that only read entries (CONSUMERS), so a change
+to the code that builds or measures a program makes the old entries unused.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from jaxpar.config import Config
+from jaxpar.plan.calibrate import cache_dir
+
+PACKAGE = Path(__file__).resolve().parent.parent
+CONSUMERS = {"cli.py", "hardware.py", "launch.py", "plan/search.py", "plan/search_report.py", "plan/roofline.py",
+             "plan/calibrate.py", "plan/schedule_chart.py"}
+
+
+@functools.cache
+def _source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).as_posix() in CONSUMERS:
+            continue
+        digest.update(str(path.relative_to(PACKAGE)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def entry_path(cfg, n_devices: int) -> Path:
+    """The cache file of `cfg` compiled for `n_devices` devices."""
+    import jax
+    import jaxlib
+
+    program = {k: v for k, v in cfg.to_dict().items() if k != "run"}
+    key = json.dumps([program, n_devices, jax.__version__, jaxlib.__version__, _source_digest()], sort_keys=True)
+    return cache_dir() / "plans" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def load(path: Path) -> dict | None:
+    """A cached entry, or None when there is none (or it cannot be read: then it is compiled anew)."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def store(path: Path, entry: dict) -> None:
+    """Write an entry atomically (a temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{id(entry)}.tmp")
+    tmp.write_text(json.dumps(entry))
+    tmp.replace(path)
+
+
+def measure(layout: Config, devices: list, budget: float) -> tuple[dict, bool]:
+    """(the cache entry of `layout`, whether it came from the cache); compiles unless cached. An
+    entry whose state alone exceeds `budget` holds only the state's bytes."""
+    path = entry_path(layout, len(devices))
+    entry = load(path)
+    if entry is not None and (not entry.get("state_only") or entry["bytes_per_device"] > budget):
+        return entry, True
+    import jax
+
+    from jaxpar.plan.memory import shard_bytes, measure_step
+    from jaxpar.session import on_devices
+    from jaxpar.train.trainer import Trainer
+
+    start = time.perf_counter()
+    trainer = Trainer(on_devices(layout, devices))
+    state = jax.eval_shape(trainer.init)
+    state_bytes = (shard_bytes(state.params, trainer.state_shardings.params)
+                   + shard_bytes(state.opt_state, trainer.state_shardings.opt_state))
+    if state_bytes > budget:
+        entry = {"state_only": True, "bytes_per_device": state_bytes}
+    else:
+        plan = measure_step(trainer)
+        table = trainer.pipeline.table
+        entry = {"state_only": False, "bytes_per_device": plan["argument_bytes"] + plan["temp_bytes"],
+                 "idle_fraction": table.idle_fraction if table is not None else 0.0,
+                 "plan": {k: plan[k] for k in ("executed_flops_per_stage", "flops", "collective_ops",
+                                               "params_bytes", "opt_state_bytes", "temp_bytes")}}
+    entry["seconds"] = time.perf_counter() - start  # what this entry saves a later search
+    store(path, entry)
+    return entry, False

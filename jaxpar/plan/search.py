@@ -1,0 +1,297 @@
+"""`jaxpar plan --search`: every valid layout of a model on N devices, compiled abstractly,
+ranked by the roofline's predicted step time within a memory budget.
+
+The layouts are every combination of the mesh axes (data x tensor x expert x stage = N),
+parallel.zero, train.remat, and, with stages, the pipeline schedule (interleaved with two
+virtual stages per device) and 1, 2 or 4 microbatches per stage. Combinations that compute the
+same program another does are left out: ZeRO stages without a data axis to shard over, an
+expert axis in a dense model (it is a second data axis there), sqrt remat on fewer than four
+layers per stage. train.grad_accum only lowers memory (the same FLOPs and reductions per
+step), so 2, 4, 8 are tried only for a layout that does not fit without. Settings given on the
+command line (say mesh.tensor=2) are held fixed. `validation.validate` decides what is valid.
+
+Each layout is compiled (nothing is allocated) and measured by `measure_step`; the results are
+cached (`jaxpar.plan.compiled_cache`). A layout whose parameters and optimizer state alone
+exceed the budget is dropped before compiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import sys
+import time
+
+from jaxpar.config import Config, ConfigError
+from jaxpar.errors import UserError
+from jaxpar.parallel.schedules import SCHEDULES
+from jaxpar.plan import compiled_cache
+from jaxpar.hardware import Hardware
+from jaxpar.plan.roofline import Prediction, host_spanning_axes, predict
+from jaxpar.validation import host_split, validate
+
+MESH_KEYS = ("mesh.data", "mesh.tensor", "mesh.expert", "mesh.stage")
+PIPELINE_KEYS = ("parallel.pipeline.schedule", "parallel.pipeline.microbatches", "parallel.pipeline.virtual")
+SEARCHED_KEYS = (*MESH_KEYS, "parallel.zero", "train.remat", *PIPELINE_KEYS, "train.grad_accum")
+REMATS = ("none", "dots", "full", "sqrt")
+GRAD_ACCUMS = (1, 2, 4, 8)
+MICROBATCHES_PER_STAGE = (1, 2, 4)
+INTERLEAVED_VIRTUAL = 2
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One layout: its overrides, name, and once compiled its bytes per device and prediction."""
+
+    overrides: dict
+    name: str
+    bytes_per_device: int | None = None
+    prediction: Prediction | None = None
+    state_only: bool = False  # bytes_per_device is the state's alone: over budget before compiling
+    cached: bool = False
+
+    def fits(self, budget: float) -> bool:
+        return self.bytes_per_device is not None and not self.state_only and self.bytes_per_device <= budget
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _meshes(cfg: Config, n: int, fixed: dict) -> list[dict]:
+    moe = cfg.model.moe.experts > 0
+    out = []
+    for tensor, expert, stage in itertools.product(_divisors(n), _divisors(n) if moe else [1], _divisors(n)):
+        if n % (tensor * expert * stage):
+            continue
+        mesh = {"mesh.data": n // (tensor * expert * stage), "mesh.tensor": tensor, "mesh.expert": expert,
+                "mesh.stage": stage}
+        if all(mesh[k] == v for k, v in fixed.items() if k in mesh):
+            out.append(mesh)
+    return out
+
+
+def _pipelines(cfg: Config, mesh: dict) -> list[dict]:
+    stages = mesh["mesh.stage"]
+    if stages == 1:
+        return [{}]
+    out = []
+    for schedule, per_stage in itertools.product(SCHEDULES, MICROBATCHES_PER_STAGE):
+        virtual = INTERLEAVED_VIRTUAL if schedule == "interleaved" else 1
+        out.append({"parallel.pipeline.schedule": schedule, "parallel.pipeline.microbatches": stages * per_stage,
+                    "parallel.pipeline.virtual": virtual, "train.grad_accum": 1})
+    return out
+
+
+def _layers_per_chunk(cfg: Config, overrides: dict) -> int:
+    chunks = overrides["mesh.stage"] * overrides.get("parallel.pipeline.virtual", 1)
+    return cfg.model.n_layers // chunks
+
+
+def _valid(cfg: Config, overrides: dict, n: int, processes: int) -> bool:
+    try:
+        validate(cfg.replace(**overrides), n, processes)
+    except ConfigError:
+        return False
+    return True
+
+
+def enumerate_layouts(cfg: Config, n: int, fixed: dict, processes: int = 1) -> list[list[dict]]:
+    """Every valid layout on n devices in `processes` hosts as override dicts, in ladders: each
+    ladder is one layout with its memory savers in the order of their predicted cost, first
+    train.grad_accum 1, 2, 4, 8 (the same FLOPs and reductions, smaller activations; one step
+    with stages, whose microbatches are enumerated instead), then the same with train.remat
+    dots, full and sqrt (each recomputing more). A rung is compiled only when the one before it
+    does not fit: every later rung is predicted no faster."""
+    ladders = []
+    for mesh in _meshes(cfg, n, fixed):
+        shards_state = mesh["mesh.data"] * mesh["mesh.expert"] > 1
+        for pipeline, zero in itertools.product(_pipelines(cfg, mesh), (0, 1, 2, 3) if shards_state else (0,)):
+            base = {**mesh, **pipeline, "parallel.zero": zero}
+            accums = [1] if mesh["mesh.stage"] > 1 else GRAD_ACCUMS
+            rungs = [{**base, "train.remat": remat, "train.grad_accum": accum}
+                     for remat, accum in itertools.product(REMATS, accums)]
+            ladder = [r for r in rungs if all(r.get(k, v) == v for k, v in fixed.items())
+                      and not (r["train.remat"] == "sqrt" and _layers_per_chunk(cfg, r) < 4)
+                      and _valid(cfg, r, n, processes)]
+            if ladder:
+                ladders.append(ladder)
+    return ladders
+
+
+_WORKER_DEVICES: list = []
+
+
+def _start_worker(cfg: Config) -> None:
+    from jaxpar.runtime import setup_devices
+
+    _WORKER_DEVICES.extend(setup_devices(cfg))
+
+
+def _measure_in_worker(layout: Config, budget: float) -> tuple[dict, bool]:
+    return compiled_cache.measure(layout, _WORKER_DEVICES, budget)
+
+
+class _Pool:
+    """Runs `measure` in this process, or in spawned worker processes that set up the same devices."""
+
+    def __init__(self, cfg: Config, devices: list, processes: int):
+        self.devices, self.executor, self.queue = devices, None, []
+        self.width = max(processes, 1)
+        if processes > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.executor = ProcessPoolExecutor(processes, multiprocessing.get_context("spawn"),
+                                                initializer=_start_worker, initargs=(cfg,))
+
+    @property
+    def busy(self) -> int:
+        return len(self.queue)
+
+    def submit(self, layout: Config, budget: float, key) -> None:
+        if self.executor is not None:
+            self.queue.append((self.executor.submit(_measure_in_worker, layout, budget), key))
+        else:
+            self.queue.append(((layout, budget), key))
+
+    def next_result(self):
+        """(key, measure's result) of a submitted layout, as soon as one is done."""
+        if self.executor is None:
+            (layout, budget), key = self.queue.pop(0)
+            return key, compiled_cache.measure(layout, self.devices, budget)
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        finished, _ = wait([future for future, _ in self.queue], return_when=FIRST_COMPLETED)
+        item = next(item for item in self.queue if item[0] in finished)
+        self.queue.remove(item)
+        return item[1], item[0].result()
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(cancel_futures=True)
+
+
+def _name(layout: Config, devices: list) -> str:
+    from jaxpar.session import on_devices
+
+    return on_devices(layout, devices).layout_name()
+
+
+@dataclasses.dataclass
+class SearchResult:
+    """The ranked search: candidates (every layout considered), the fitting ones first by
+    predicted time, and what the search cost."""
+
+    candidates: list[Candidate]  # the layouts evaluated
+    enumerated: int  # every valid layout, larger grad_accum steps that were not needed included
+    compiled: int
+    cached: int
+    pruned: int  # ladders left unevaluated (or unfinished): they cannot enter the top rows
+    seconds: float
+    hardware: Hardware
+    budget: float
+
+    @property
+    def ranked(self) -> list[Candidate]:
+        fit = [c for c in self.candidates if c.fits(self.budget)]
+        return sorted(fit, key=lambda c: (c.prediction.seconds, c.bytes_per_device))
+
+
+def floor_seconds(floor_flops: float, ladder: list[dict], n: int, peak: float) -> float:
+    """A step time no rung of `ladder` can beat: the matmul FLOPs every layout runs
+    (model_flops.matmul_flops_floor), shared by n devices at `peak`, through the schedule's bubble."""
+    from jaxpar.parallel.schedules import build
+
+    first = ladder[0]
+    idle = 0.0
+    if first["mesh.stage"] > 1:
+        idle = build(first["parallel.pipeline.schedule"], first["mesh.stage"], first["parallel.pipeline.microbatches"],
+                     first["parallel.pipeline.virtual"]).idle_fraction
+    return floor_flops / n / peak / (1 - idle)
+
+
+def search(cfg: Config, devices: list, hardware: Hardware, budget: float, fixed: dict, progress: bool = True,
+           processes: int = 1, top: int | None = None) -> SearchResult:
+    """Enumerate, compile (in `processes` processes) and predict every layout of `cfg` on
+    `devices`; see the module docstring. With `top`, a ladder is dropped unevaluated once it
+    cannot enter the `top` fastest fitting layouts (its floor, or its first rung's predicted
+    time, is no less than the top-th best found): the top rows are exact, the rest is partial."""
+    from tqdm import tqdm
+
+    start = time.perf_counter()
+    n = len(devices)
+    hosts = max(n // hardware.devices_per_host, 1)
+    ladders = enumerate_layouts(cfg, n, fixed, hosts)
+    if not ladders:
+        validate(cfg, n, hosts)  # the base config's own mistake, when it has one, says more
+        raise UserError(f"no layout of this model passes validation on {n} devices with "
+                        f"{' '.join(f'{k}={v}' for k, v in fixed.items()) or 'these settings'}.")
+    from jaxpar.plan.model_flops import matmul_flops_floor
+
+    floor_flops, peak = matmul_flops_floor(cfg), hardware.peak_flops[cfg.train.precision]
+    floors = [floor_seconds(floor_flops, ladder, n, peak) for ladder in ladders]
+    order = sorted(range(len(ladders)), key=floors.__getitem__)  # likely-fast layouts first: the bound tightens early
+    total = sum(len(ladder) for ladder in ladders)
+    done: dict[tuple[int, int], Candidate] = {}
+    fit_times: list[float] = []
+    pruned = 0
+
+    def bound() -> float:
+        return sorted(fit_times)[top - 1] if top is not None and len(fit_times) >= top else math.inf
+
+    pool = _Pool(cfg, devices, processes)
+    bar = tqdm(total=total, desc="plan --search", unit="layout", disable=not progress, file=sys.stderr)
+
+    def fill() -> None:
+        nonlocal pruned
+        while order and pool.busy < pool.width:
+            i = order.pop(0)
+            if floors[i] >= bound():
+                pruned += 1
+                bar.update(len(ladders[i]))
+            else:
+                pool.submit(cfg.replace(**ladders[i][0]), budget, (i, 0))
+
+    try:
+        fill()
+        while pool.busy:
+            (i, rung), (entry, cached) = pool.next_result()
+            candidate = _candidate(cfg, ladders[i][rung], devices, hardware, hosts, entry, cached)
+            done[i, rung] = candidate
+            bar.set_postfix_str(candidate.name[:48])
+            left = len(ladders[i]) - rung - 1
+            if candidate.fits(budget):
+                fit_times.append(candidate.prediction.seconds)
+            slower = candidate.prediction is not None and candidate.prediction.seconds >= bound()
+            if candidate.fits(budget) or candidate.state_only or not left or slower:
+                pruned += bool(left) and slower and not candidate.fits(budget)
+                bar.update(left + 1)  # later rungs are no faster: this one fits, cannot, or is out of the top
+            else:
+                bar.update(1)
+                pool.submit(cfg.replace(**ladders[i][rung + 1]), budget, (i, rung + 1))
+            fill()
+    finally:
+        bar.close()
+        pool.close()
+    candidates = [done[key] for key in sorted(done)]
+    compiled = sum(not c.cached for c in candidates)
+    return SearchResult(candidates, total, compiled, len(candidates) - compiled, pruned, time.perf_counter() - start,
+                        hardware, budget)
+
+
+def _candidate(cfg: Config, overrides: dict, devices: list, hardware: Hardware, hosts: int, entry: dict,
+               cached: bool) -> Candidate:
+    layout = cfg.replace(**overrides)
+    candidate = Candidate(overrides, _name(layout, devices), entry["bytes_per_device"], None, entry["state_only"],
+                          cached)
+    if not candidate.state_only:
+        sizes = _sizes(overrides)
+        across = host_spanning_axes(sizes, host_split(sizes, layout.mesh, hosts))
+        candidate.prediction = predict(entry["plan"], hardware, cfg.train.precision, entry["idle_fraction"], across)
+    return candidate
+
+
+def _sizes(overrides: dict) -> dict[str, int]:
+    return {k.removeprefix("mesh."): overrides[k] for k in MESH_KEYS}

@@ -1,0 +1,153 @@
+"""The layout planner: the roofline's arithmetic, the enumeration of layouts, the memory ladder,
+pruning to the top rows, the compiled-plan cache, and `jaxpar plan --search` end to end."""
+
+import json
+import math
+
+import jax
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.config import load_config
+from jaxpar.hardware import Hardware
+from jaxpar.plan.roofline import predict
+from jaxpar.plan.model_flops import matmul_flops_floor
+from jaxpar.plan.search import enumerate_layouts, floor_seconds, search
+from jaxpar.validation import validate
+
+# A made-up profile with round numbers, so the expected figures below can be worked out by hand.
+ROUND = Hardware("round", {"fp32": 1e9, "bf16": 2e9, "fp16": 2e9}, 1e12, 8, 1e8, 1e7, 1e-3, 1e-2, True, "test")
+TINY = ["configs/tiny_test.yaml"]
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test starts with an empty cache of calibrations and compiled plans."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def op(axes, wire_bytes, count):
+    return {"op": "all-reduce", "mesh_axes": axes, "wire_bytes": wire_bytes, "bytes": wire_bytes, "count": count}
+
+
+def test_roofline_terms_and_overlap():
+    plan = {"executed_flops_per_stage": [3e9, 4e9],
+            "collective_ops": [op(["data"], 1e8, 2), op(["tensor"], 1e7, 10), op(["data", "tensor"], 1e6, 1)]}
+    p = predict(plan, ROUND, "fp32", idle_fraction=0.2, across_hosts=set())
+    assert p.compute == pytest.approx(4.0)  # the busiest stage
+    assert p.bubble == pytest.approx(4.0 * 0.2 / 0.8)
+    data_only = 2 * (1e-3 + 1e8 / 1e8)  # overlaps compute: 2.002 s < 4 s, so hidden
+    critical = 10 * (1e-3 + 1e7 / 1e8) + (1e-3 + 1e6 / 1e8)  # tensor groups: on the critical path
+    assert p.communication == pytest.approx(data_only + critical)
+    assert p.exposed_communication == pytest.approx(critical)
+    assert p.seconds == pytest.approx(4.0 + critical + 1.0)
+    assert p.limiting == "compute"
+    # across hosts, the data collectives take the slower link and no longer hide under compute
+    q = predict(plan, ROUND, "fp32", 0.2, across_hosts={"data"})
+    data_slow = 2 * (1e-2 + 1e8 / 1e7)  # 20.02 s: 4 of them hidden under compute
+    critical_slow = 10 * (1e-3 + 1e7 / 1e8) + (1e-2 + 1e6 / 1e7)  # the data x tensor op crosses hosts too
+    assert q.communication == pytest.approx(data_slow + critical_slow)
+    assert q.seconds == pytest.approx(4.0 + critical_slow + (data_slow - 4.0) + 1.0)
+    assert q.limiting == "communication"
+    cpu_like = Hardware(**{**ROUND.to_dict(), "overlaps_collectives": False})
+    assert predict(plan, cpu_like, "fp32", 0.0, set()).seconds == pytest.approx(4.0 + data_only + critical)
+
+
+def test_enumeration_is_valid_deduplicated_and_laddered():
+    cfg = load_config(None)
+    ladders = enumerate_layouts(cfg, 8, {})
+    rungs = [r for ladder in ladders for r in ladder]
+    for r in rungs:
+        validate(cfg.replace(**r), 8)
+        assert r["mesh.expert"] == 1  # a dense model: the expert axis would be a second data axis
+        assert r["parallel.zero"] == 0 or r["mesh.data"] > 1
+        assert r["train.remat"] != "sqrt" or cfg.model.n_layers // r["mesh.stage"] >= 4
+    meshes = {(r["mesh.data"], r["mesh.tensor"], r["mesh.stage"]) for r in rungs}
+    # tensor divides the 4 heads, stage the 4 layers
+    assert meshes == {(8, 1, 1), (4, 2, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2), (2, 1, 4), (1, 2, 4)}
+    plain = next(ladder for ladder in ladders if ladder[0]["mesh.stage"] == 1 and ladder[0]["mesh.data"] == 2)
+    order = [(r["train.remat"], r["train.grad_accum"]) for r in plain]
+    assert order[:4] == [("none", 1), ("none", 2), ("none", 4), ("none", 8)] and order[4] == ("dots", 1)
+    schedules = {r["parallel.pipeline.schedule"] for r in rungs if r["mesh.stage"] > 1}
+    assert schedules == {"gpipe", "1f1b", "2bw", "interleaved"}
+    held = enumerate_layouts(cfg, 8, {"mesh.tensor": 2, "parallel.zero": 1})
+    assert held and all(r["mesh.tensor"] == 2 and r["parallel.zero"] == 1 for ladder in held for r in ladder)
+
+
+def tiny_search(budget=1e12, top=None, **fixed):
+    cfg = load_config(TINY[0])
+    return search(cfg, jax.devices()[:4], ROUND, budget, {"mesh.stage": 1, **fixed}, progress=False, top=top)
+
+
+def test_search_ranks_prunes_and_caches():
+    full = tiny_search()
+    ranked = full.ranked
+    assert len(ranked) == len(full.candidates) == 9  # data 4 (zero 0-3), data 2 x tensor 2 (zero 0-3), tensor 4
+    assert full.compiled == 9 and full.cached == 0 and full.pruned == 0
+    times = [c.prediction.seconds for c in ranked]
+    assert times == sorted(times) and len(set(times)) > 3
+    # with top=2, pipelines at M=S=2 (a third of the ticks idle) have floors no better than the
+    # second best: they are pruned without compiling, and the top rows stay as they were
+    cfg, devices = load_config(TINY[0]), jax.devices()[:4]
+    with_pipelines = enumerate_layouts(cfg, 4, {"parallel.pipeline.microbatches": 2})
+    pipelines = [ladder for ladder in with_pipelines if ladder[0]["mesh.stage"] == 2]
+    floor = matmul_flops_floor(cfg)
+    assert pipelines and all(floor_seconds(floor, ladder, 4, 1e9) >= ranked[1].prediction.seconds
+                             for ladder in pipelines)
+    again = search(cfg, devices, ROUND, 1e12, {"parallel.pipeline.microbatches": 2}, progress=False, top=2)
+    assert again.compiled == 0 and again.cached == 9 and again.pruned == len(pipelines)
+    assert [c.name for c in again.ranked[:2]] == [c.name for c in ranked[:2]]
+    # a budget just under the best layout's bytes: the best drops out, everything ranked fits
+    tight = tiny_search(budget=ranked[0].bytes_per_device - 1)
+    assert tight.ranked and ranked[0].name not in [c.name for c in tight.ranked]
+    assert all(c.bytes_per_device < ranked[0].bytes_per_device for c in tight.ranked)
+
+
+def test_memory_ladder_takes_the_first_rung_that_fits():
+    layout = {"mesh.data": 4, "mesh.tensor": 1, "mesh.expert": 1, "parallel.zero": 0}
+    roomy = tiny_search(**layout)
+    assert [c.overrides["train.grad_accum"] for c in roomy.candidates] == [1]
+    first = roomy.candidates[0]
+    tight = tiny_search(budget=first.bytes_per_device - 1, **layout)
+    rungs = [(c.overrides["train.remat"], c.overrides["train.grad_accum"]) for c in tight.candidates]
+    assert rungs[0] == ("none", 1) and len(rungs) >= 2
+    best = tight.ranked[0]
+    assert best.bytes_per_device < first.bytes_per_device
+    assert (best.overrides["train.remat"], best.overrides["train.grad_accum"]) == rungs[-1]
+
+
+def test_no_layout_fits_is_one_sentence(capsys):
+    code = main(["plan", "--search", *TINY, "run.devices=4", "mesh.stage=1", "--memory-gb", "1e-6",
+                 "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert all(line.startswith("jaxpar: measuring the cpu profile") for line in err[:-1])  # the first use
+    assert err[-1].startswith("jaxpar: error: none of the 96 layouts fits in 1e-06 GB per device; "
+                                               "the smallest, data=4 zero=3 fp32, needs ")
+    assert err[-1].endswith(" GB for its state alone.")
+
+
+def test_plan_search_best_trains(capsys, tmp_path):
+    code = main(["plan", "--search", *TINY, "run.devices=4", "mesh.stage=1", "parallel.zero=0", "--no-progress",
+                 "--top", "3"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    result = json.loads(out[-1])
+    assert result["candidates"] >= 3 and result["fit"] >= 1 and result["hardware"] == "cpu"
+    assert 0 < result["predicted_step_s"] < math.inf and 0 < result["predicted_mfu"]
+    assert out[0].split()[:3] == ["rank", "layout", "GiB/device"] and out[1].split()[0] == "1"
+    assert out[-2].startswith("train it: jaxpar train configs/tiny_test.yaml run.devices=4 ")
+    best = [f"{k}={v}" for k, v in result["best"].items()]
+    assert main(["train", *TINY, "run.devices=4", *best, "train.steps=2", f"run.dir={tmp_path / 'run'}",
+                 "--no-progress"]) == 0
+
+
+def test_cpu_profile_is_measured_once(tmp_path):
+    from jaxpar.plan import calibrate
+
+    first = calibrate.cpu_profile(jax.devices())
+    assert all(0 < v < math.inf for v in first.peak_flops.values())
+    assert 0 < first.intra_host_bandwidth and 0 <= first.intra_host_latency_s < 1 and not first.overlaps_collectives
+    assert len(list((tmp_path / "cache" / "jaxpar").glob("cpu-profile-*.json"))) == 1
+    assert calibrate.cpu_profile(jax.devices()) == first  # read back, not measured again (timings would differ)
+
