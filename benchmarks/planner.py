@@ -8,8 +8,8 @@ Runs `jaxpar plan --search`'s search for the config (default: the default model 
 CPU devices, with the `cpu` profile measured here) over every layout (no pruning; layouts
 compiled before come from the cache), then trains the K fastest and the K slowest predicted
 layouts that fit (default K=5). Every layout runs W untimed warm-up steps (compilation
-included), then R rounds go over all of them in turn, N timed steps each, so that the machine's
-drift touches every layout alike; a layout's measured time is the median of its R x N steps.
+included), then R rounds go over all of them in turn (forwards, then backwards), N timed steps
+each, so that the machine's drift touches every layout alike; a layout's measured time is the median of its R x N steps.
 Reported: the Spearman rank correlation of predicted and measured times, a markdown table, the
 figure results/planner.png (predicted against measured, log-log), and a JSON line.
 """
@@ -78,7 +78,7 @@ def measured_seconds(candidates: list, batches: list) -> list[float]:
         print(f"  warmed up {c.name}", file=sys.stderr)
     timed = batches[ARGS.warmup:]
     for round_ in range(ARGS.rounds):
-        for run in runs:
+        for run in runs if round_ % 2 == 0 else runs[::-1]:  # the order flips each round: no layout always goes first
             trainer, state, times = run
             for host in timed[round_ * ARGS.steps:(round_ + 1) * ARGS.steps]:
                 batch = jax.block_until_ready(trainer.put_batch(host))

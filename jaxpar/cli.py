@@ -101,7 +101,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         table = trainer.pipeline.table
         plan["predicted"] = predict(plan, profile(args.hardware, session.devices), session.cfg.train.precision,
                                     table.idle_fraction if table is not None else 0.0,
-                                    host_spanning_axes(session.mesh_sizes, session.process_split)).to_dict()
+                                    host_spanning_axes(session.mesh_sizes, session.process_split),
+                                    session.mesh_sizes).to_dict()
     from jaxpar import distributed
 
     if not distributed.is_secondary():  # per-device figures: every process compiled the same program

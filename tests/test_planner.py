@@ -16,7 +16,7 @@ from jaxpar.plan.search import enumerate_layouts, floor_seconds, search
 from jaxpar.validation import validate
 
 # A made-up profile with round numbers, so the expected figures below can be worked out by hand.
-ROUND = Hardware("round", {"fp32": 1e9, "bf16": 2e9, "fp16": 2e9}, 1e12, 8, 1e8, 1e7, 1e-3, 1e-2, True, "test")
+ROUND = Hardware("round", {"fp32": 1e9, "bf16": 2e9, "fp16": 2e9}, 1e12, 8, 1e8, 1e7, 1e-3, 1e-2, True, "test", 1e9)
 TINY = ["configs/tiny_test.yaml"]
 
 
@@ -31,26 +31,27 @@ def op(axes, wire_bytes, count):
 
 
 def test_roofline_terms_and_overlap():
-    plan = {"executed_flops_per_stage": [3e9, 4e9],
+    plan = {"executed_flops_per_stage": [3e9, 4e9], "written_bytes_per_stage": [1e9, 5e8],
             "collective_ops": [op(["data"], 1e8, 2), op(["tensor"], 1e7, 10), op(["data", "tensor"], 1e6, 1)]}
-    p = predict(plan, ROUND, "fp32", idle_fraction=0.2, across_hosts=set())
-    assert p.compute == pytest.approx(4.0)  # the busiest stage
-    assert p.bubble == pytest.approx(4.0 * 0.2 / 0.8)
-    data_only = 2 * (1e-3 + 1e8 / 1e8)  # overlaps compute: 2.002 s < 4 s, so hidden
-    critical = 10 * (1e-3 + 1e7 / 1e8) + (1e-3 + 1e6 / 1e8)  # tensor groups: on the critical path
+    sizes = {"data": 2, "tensor": 3, "expert": 1, "stage": 1}  # groups of 2, 3 and 6: 1, 2 and 5 ring steps
+    p = predict(plan, ROUND, "fp32", idle_fraction=0.2, across_hosts=set(), sizes=sizes)
+    assert p.compute == pytest.approx(4.0) and p.memory == pytest.approx(1.0)  # the busiest stage of each
+    assert p.bubble == pytest.approx(5.0 * 0.2 / 0.8)
+    data_only = 2 * (1e-3 + 1e8 / 1e8)  # overlaps compute and memory work: 2.002 s < 5 s, so hidden
+    critical = 10 * (2 * 1e-3 + 1e7 / 1e8) + (5 * 1e-3 + 1e6 / 1e8)  # tensor groups: on the critical path
     assert p.communication == pytest.approx(data_only + critical)
     assert p.exposed_communication == pytest.approx(critical)
-    assert p.seconds == pytest.approx(4.0 + critical + 1.0)
+    assert p.seconds == pytest.approx(5.0 + critical + 1.25)
     assert p.limiting == "compute"
     # across hosts, the data collectives take the slower link and no longer hide under compute
-    q = predict(plan, ROUND, "fp32", 0.2, across_hosts={"data"})
-    data_slow = 2 * (1e-2 + 1e8 / 1e7)  # 20.02 s: 4 of them hidden under compute
-    critical_slow = 10 * (1e-3 + 1e7 / 1e8) + (1e-2 + 1e6 / 1e7)  # the data x tensor op crosses hosts too
+    q = predict(plan, ROUND, "fp32", 0.2, across_hosts={"data"}, sizes=sizes)
+    data_slow = 2 * (1e-2 + 1e8 / 1e7)  # 20.02 s: 5 of them hidden under compute and memory work
+    critical_slow = 10 * (2 * 1e-3 + 1e7 / 1e8) + (5 * 1e-2 + 1e6 / 1e7)  # the data x tensor op crosses hosts too
     assert q.communication == pytest.approx(data_slow + critical_slow)
-    assert q.seconds == pytest.approx(4.0 + critical_slow + (data_slow - 4.0) + 1.0)
+    assert q.seconds == pytest.approx(5.0 + critical_slow + (data_slow - 5.0) + 1.25)
     assert q.limiting == "communication"
     cpu_like = Hardware(**{**ROUND.to_dict(), "overlaps_collectives": False})
-    assert predict(plan, cpu_like, "fp32", 0.0, set()).seconds == pytest.approx(4.0 + data_only + critical)
+    assert predict(plan, cpu_like, "fp32", 0.0, set(), sizes).seconds == pytest.approx(5.0 + data_only + critical)
 
 
 def test_enumeration_is_valid_deduplicated_and_laddered():

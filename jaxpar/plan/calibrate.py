@@ -1,9 +1,11 @@
 """The `cpu` hardware profile, measured on this machine and cached.
 
 Emulated CPU devices share the host's cores, so what a roofline needs is the rate one device
-gets while all of them work: a matmul sharded over every device is timed (fp32 and bf16), and
-an all-reduce over every device at two sizes gives a latency and a bandwidth (a straight line
-through time against the bytes each device sends). A few seconds; the result is kept in
+gets while all of them work: a matmul sharded over every device is timed (fp32 and bf16), as is
+an elementwise op (the bytes a device writes per second, for the memory term), and
+all-reduces timed inside a loop (so that launching the program is not counted) give the fixed
+cost of a collective and the latency of one ring step (16-byte messages over every device and
+over pairs) and the bandwidth (1 MiB over every device). A few seconds; the result is kept in
 $XDG_CACHE_HOME/jaxpar (else ~/.cache/jaxpar), keyed by the processor, the core count, the
 device count and the jax version, so the next search reads it.
 """
@@ -22,7 +24,9 @@ from pathlib import Path
 from jaxpar.hardware import Hardware
 
 MATMUL_SHAPE = (1024, 512, 512)  # rows per device x contracted x output: a mid-sized layer's matmul
-ALL_REDUCE_FLOATS = (2 ** 12, 2 ** 20)  # fp32 elements per device: a small and a large message
+ALL_REDUCE_FLOATS = (4, 2 ** 18)  # fp32 elements per device: a message of latency only, and a large one
+LOOP_SHORT, LOOP_LONG = 10, 30
+WRITE_FLOATS = 2 ** 21  # fp32 elements per device written by the elementwise probe (8 MiB, past the caches)
 REPEATS = 7
 
 
@@ -68,22 +72,58 @@ def _matmul_rate(mesh, dtype) -> float:
     return 2 * rows * inner * cols / _median_seconds(matmul, x, w)
 
 
-def _all_reduce_line(mesh) -> tuple[float, float]:
-    """(seconds per all-reduce, bytes per second each device sends) of a psum over every device."""
+def _write_rate(mesh) -> float:
+    """Bytes per second one device writes in elementwise work (reading as much) while every
+    device works at once."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    n = mesh.devices.size
-    psum = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "all"), mesh=mesh, in_specs=P("all"), out_specs=P("all")))
-    sent, seconds = [], []
-    for floats in ALL_REDUCE_FLOATS:
-        x = jax.device_put(jnp.ones((n * floats,), jnp.float32), NamedSharding(mesh, P("all")))
-        sent.append(2 * (n - 1) / n * floats * 4)  # a ring all-reduce: each device sends 2(n-1)/n of its buffer
-        seconds.append(_median_seconds(psum, x))
-    slope = (seconds[1] - seconds[0]) / (sent[1] - sent[0])
-    latency = max(seconds[0] - slope * sent[0], 0.0)
-    return latency, (1 / slope if slope > 0 else float("inf"))
+    sharding = NamedSharding(mesh, P("all"))
+    x = jax.device_put(jnp.ones((mesh.devices.size * WRITE_FLOATS,), jnp.float32), sharding)
+    scale = jax.jit(lambda x: x * 1.0001 + 1.0, out_shardings=sharding)
+    return WRITE_FLOATS * 4 / _median_seconds(scale, x)
+
+
+def _all_reduce_seconds(mesh, axis: str, floats: int) -> float:
+    """Seconds of one psum over `axis` of `floats` fp32 per device, inside a program: the
+    difference of a loop of LOOP_LONG psums and one of LOOP_SHORT, over their difference (so the
+    cost of launching a program, about a tenth of a millisecond here, is left out)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    every = P(mesh.axis_names)
+    x = jax.device_put(jnp.ones((mesh.devices.size * floats,), jnp.float32), NamedSharding(mesh, every))
+    scale = 1 / mesh.shape[axis]  # keeps the values bounded
+
+    def looped(times):
+        body = lambda _, y: jax.lax.psum(y, axis) * scale  # noqa: E731
+        return jax.jit(jax.shard_map(lambda y: jax.lax.fori_loop(0, times, body, y), mesh=mesh, in_specs=every,
+                                     out_specs=every, check_vma=False))
+
+    return (_median_seconds(looped(LOOP_LONG), x) - _median_seconds(looped(LOOP_SHORT), x)) / (LOOP_LONG - LOOP_SHORT)
+
+
+def _collective_costs(devices: list) -> tuple[float, float, float]:
+    """(seconds each collective costs, seconds per ring step, bytes per second each device sends).
+    A tiny psum over every device and one over pairs of devices are all latency: a fixed cost
+    plus n-1 ring steps (on emulated devices the fixed cost, a rendezvous of threads, dominates);
+    a large psum over every device adds its bytes over the link."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    n = len(devices)
+    every = Mesh(np.asarray(devices), ("all",))
+    small, large = (_all_reduce_seconds(every, "all", floats) for floats in ALL_REDUCE_FLOATS)
+    step, fixed = max(small, 0.0) / max(n - 1, 1), 0.0
+    if n >= 4 and n % 2 == 0:
+        pairs = _all_reduce_seconds(Mesh(np.asarray(devices).reshape(n // 2, 2), ("rest", "pair")), "pair",
+                                    ALL_REDUCE_FLOATS[0])
+        step = max(small - pairs, 0.0) / (n - 2)
+        fixed = max(pairs - step, 0.0)
+    sent = 2 * (n - 1) / n * ALL_REDUCE_FLOATS[1] * 4  # a ring all-reduce: each device sends 2(n-1)/n of its buffer
+    return fixed, step, sent / max(large - small, 1e-9)
 
 
 def measure(devices: list) -> Hardware:
@@ -95,19 +135,19 @@ def measure(devices: list) -> Hardware:
 
     mesh = Mesh(np.asarray(devices), ("all",))
     fp32, bf16 = _matmul_rate(mesh, jnp.float32), _matmul_rate(mesh, jnp.bfloat16)
-    latency, bandwidth = _all_reduce_line(mesh)
+    fixed, step, bandwidth = _collective_costs(devices)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / len(devices)
     source = (f"measured on {_processor()} ({os.cpu_count()} cores) with {len(devices)} emulated devices, "
               f"jax {jax.__version__}")
     return Hardware("cpu", {"fp32": fp32, "bf16": bf16, "fp16": bf16}, memory, len(devices), bandwidth, bandwidth,
-                    latency, latency, False, source)
+                    step, step, False, source, _write_rate(mesh), fixed)
 
 
 def _cache_file(devices: list) -> Path:
     import jax
 
     key = json.dumps([_processor(), os.cpu_count(), len(devices), jax.__version__, MATMUL_SHAPE,
-                      ALL_REDUCE_FLOATS])
+                      ALL_REDUCE_FLOATS, WRITE_FLOATS])
     return cache_dir() / f"cpu-profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

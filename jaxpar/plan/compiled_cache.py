@@ -85,7 +85,7 @@ def measure(layout: Config, devices: list, budget: float) -> tuple[dict, bool]:
         table = trainer.pipeline.table
         entry = {"state_only": False, "bytes_per_device": plan["argument_bytes"] + plan["temp_bytes"],
                  "idle_fraction": table.idle_fraction if table is not None else 0.0,
-                 "plan": {k: plan[k] for k in ("executed_flops_per_stage", "flops", "collective_ops",
+                 "plan": {k: plan[k] for k in ("executed_flops_per_stage", "written_bytes_per_stage", "flops", "collective_ops",
                                                "params_bytes", "opt_state_bytes", "temp_bytes")}}
     entry["seconds"] = time.perf_counter() - start  # what this entry saves a later search
     store(path, entry)

@@ -128,15 +128,59 @@ def conditionals(module: Module, scope: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-def executed_matmul_flops(module: Module, scope: str, branch_runs: list[list[int]]) -> list[float]:
-    """Matmul FLOPs per step that each device actually runs, one figure per device.
+# Instructions that write no memory of their own (views, control flow, the state threaded
+# through loops), or whose cost another term counts (dots: compute; collectives: communication).
+_NOT_WRITTEN = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
+                "after-all", "partition-id", "replica-id", "dot", "convolution", "copy-start", "copy-done",
+                "send", "recv", "send-done", "recv-done", "optimization-barrier"}
+_COLLECTIVE_PREFIXES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
-    `matmul_flops` counts every branch of a conditional each time the conditional runs. For
-    the conditionals named by `scope`, device d takes branch k branch_runs[d][k] times per
-    step instead: each branch is costed from its own compiled computation and counted that
-    often. Everything else runs on every device as counted.
+
+def _fused(module: Module) -> tuple[set[str], set[str]]:
+    """(computations fused into another instruction, those among them that hold a dot)."""
+    fused, with_dot = set(), set()
+    for instructions in module.computations.values():
+        for inst in instructions:
+            if inst.op == "fusion" or "to_apply=" in inst.rest:
+                fused.update(re.findall(r"\b(?:calls|to_apply)=%([^\s,)}]+)", inst.rest))
+    for name in fused:
+        if any(i.op in ("dot", "convolution") for i in module.computations.get(name, [])):
+            with_dot.add(name)
+    return fused, with_dot
+
+
+def written_bytes(module: Module, root: str | None = None) -> float:
+    """Bytes the step's non-matmul work writes to memory, times executions (per run of `root`
+    when given): the result of every unfused instruction and fusion, less views, control flow,
+    dots (and fusions around them) and collectives. A proxy for elementwise memory traffic."""
+    fused, with_dot = _fused(module)
+    if root is not None:
+        module = Module(module.computations, root, module.calls)
+    total = 0.0
+    for name, instructions in module.computations.items():
+        if name in fused:
+            continue
+        runs = None
+        for inst in instructions:
+            if inst.op in _NOT_WRITTEN or inst.op.startswith(_COLLECTIVE_PREFIXES):
+                continue
+            if inst.op == "fusion" and set(re.findall(r"\bcalls=%([^\s,)}]+)", inst.rest)) & with_dot:
+                continue
+            runs = module.executions(name) if runs is None else runs
+            total += nbytes(inst.shape) * runs
+    return total
+
+
+def executed_cost(module: Module, scope: str, branch_runs: list[list[int]], cost) -> list[float]:
+    """`cost(module, root=None)` (matmul_flops, written_bytes) per step as each device runs it,
+    one figure per device.
+
+    `cost` counts every branch of a conditional each time the conditional runs. For the
+    conditionals named by `scope`, device d takes branch k branch_runs[d][k] times per step
+    instead: each branch is costed from its own compiled computation and counted that often.
+    Everything else runs on every device as counted.
     """
-    total = matmul_flops(module)
+    total = cost(module)
     per_device = [total] * len(branch_runs)
     for caller, branches in conditionals(module, scope):
         runs = module.executions(caller)
@@ -144,7 +188,8 @@ def executed_matmul_flops(module: Module, scope: str, branch_runs: list[list[int
             if sum(taken) != runs:
                 raise ValueError(f"the schedule takes {sum(taken)} branches of a conditional that runs {runs} times")
         for k, branch in enumerate(branches):
-            flops = matmul_flops(module, root=branch)
+            amount = cost(module, root=branch)
             for d, taken in enumerate(branch_runs):
-                per_device[d] += (taken[k] - runs) * flops
+                per_device[d] += (taken[k] - runs) * amount
     return per_device
+

@@ -15,7 +15,7 @@ import jax
 
 from jaxpar.plan.collectives import bytes_by_op, collectives
 from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts
-from jaxpar.plan.hlo import executed_matmul_flops, matmul_flops, parse
+from jaxpar.plan.hlo import executed_cost, matmul_flops, parse, written_bytes
 from jaxpar.plan.transfers import host_transfers
 from jaxpar.train.offload import update_peak_bytes
 
@@ -63,9 +63,11 @@ def measure_step(trainer) -> dict:
     opt_bytes = shard_bytes(state.opt_state, shardings.opt_state)
     found = collectives(module, trainer.layout.sizes)
     flops = matmul_flops(module)
-    per_stage = [flops]
+    per_stage, written = [flops], [written_bytes(module)]
     if trainer.pipeline.table is not None:
-        per_stage = executed_matmul_flops(module, TICK_SCOPE, branch_counts(trainer.pipeline.table).tolist())
+        taken = branch_counts(trainer.pipeline.table).tolist()
+        per_stage = executed_cost(module, TICK_SCOPE, taken, matmul_flops)
+        written = executed_cost(module, TICK_SCOPE, taken, written_bytes)
     return {
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),
@@ -84,6 +86,8 @@ def measure_step(trainer) -> dict:
         "executed_flops": sum(per_stage) / len(per_stage),
         "executed_flops_per_stage": per_stage,
         "xla_cost_flops": float(cost.get("flops", 0.0)),
+        # bytes the non-matmul work writes per step (hlo.written_bytes), per stage like executed_flops
+        "written_bytes_per_stage": written,
         "collectives": bytes_by_op(found),
         # what each device sends per step (ring algorithms): reduce-scatter + all-gather = all-reduce
         "collective_wire_bytes": bytes_by_op(found, wire=True),

@@ -3,17 +3,21 @@ compiled program does (jaxpar.plan.measure_step), not over a formula of the mode
 
     compute  = matmul FLOPs a device executes per step / the profile's peak in the compute dtype
                (a pipeline: the busiest stage's executed FLOPs);
-    comm     = sum over collectives of executions x (latency + bytes the device sends / bandwidth),
+    comm     = sum over collectives of executions x (overhead + (n - 1) x latency + bytes the
+               device sends / bandwidth), n the devices in each of its groups (a permute: 2),
                the link being the inter-host one when the op's groups span a mesh axis that
                crosses hosts (mesh.hosts, `jaxpar.validation.host_split`), else the intra-host one;
-    bubble   = compute x f / (1 - f), f the schedule's idle fraction: the stage-ticks a pipeline
-               waits, each tick as long as the work ticks around it.
+    memory   = bytes the non-matmul work writes per step (hlo.written_bytes: every unfused
+               instruction's result, loops multiplied out; the busiest stage) / the profile's
+               write bandwidth: elementwise ops, norms, softmax, the optimizer update;
+    bubble   = (compute + memory) x f / (1 - f), f the schedule's idle fraction: the stage-ticks
+               a pipeline waits, each tick as long as the work ticks around it.
 
 Overlap: on profiles that overlap collectives (GPUs), collectives over the data axis only (ZeRO
-gathers, gradient reductions: independent of the next matmul) run under compute, so they cost
-only what exceeds it; every other collective (tensor, expert, stage) feeds the next op and adds.
-On the `cpu` profile nothing overlaps and all terms add. Matmuls are the only compute counted:
-elementwise work, the optimizer update and host transfers are not in the model.
+gathers, gradient reductions: independent of the next matmul) run under compute and memory
+work, so they cost only what exceeds it; every other collective (tensor, expert, stage) feeds
+the next op and adds. Compute and memory work add (one stream of kernels). On the `cpu` profile
+nothing overlaps and all terms add. Host transfers (train.offload) are not in the model.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import math
 
 from jaxpar.hardware import Hardware
 
-TERMS = ("compute", "communication", "bubble")
+TERMS = ("compute", "memory", "communication", "bubble")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +35,7 @@ class Prediction:
     """Seconds per step by term; `seconds` is the predicted step time after overlap."""
 
     compute: float
+    memory: float
     communication: float
     exposed_communication: float
     bubble: float
@@ -38,7 +43,7 @@ class Prediction:
 
     @property
     def limiting(self) -> str:
-        """The largest of compute, communication and bubble."""
+        """The largest of compute, memory, communication and bubble."""
         return max(TERMS, key=lambda term: getattr(self, term))
 
     def to_dict(self) -> dict:
@@ -50,25 +55,29 @@ def host_spanning_axes(sizes: dict[str, int], process_split: dict[str, int]) -> 
     return {axis for axis, split in process_split.items() if split > 1 and sizes[axis] > 1}
 
 
-def collective_seconds(op: dict, hardware: Hardware, across_hosts: set[str]) -> float:
-    """One collective's seconds per step: its executions x (latency + sent bytes / bandwidth)."""
+def collective_seconds(op: dict, hardware: Hardware, across_hosts: set[str], sizes: dict[str, int]) -> float:
+    """One collective's seconds per step: executions x (the fixed overhead + (n - 1) ring steps of
+    latency + sent bytes / bandwidth), n the devices in each group (a permute sends to one other)."""
     inter = bool(across_hosts.intersection(op["mesh_axes"]))
     bandwidth = hardware.inter_host_bandwidth if inter else hardware.intra_host_bandwidth
     latency = hardware.inter_host_latency_s if inter else hardware.intra_host_latency_s
-    return op["count"] * (latency + op["wire_bytes"] / bandwidth)
+    group = 2 if op["op"] == "collective-permute" else math.prod(sizes[a] for a in op["mesh_axes"])
+    return op["count"] * (hardware.collective_overhead_s + max(group - 1, 1) * latency + op["wire_bytes"] / bandwidth)
 
 
-def predict(plan: dict, hardware: Hardware, precision: str, idle_fraction: float,
-            across_hosts: set[str]) -> Prediction:
-    """The roofline of one compiled step (`plan` from measure_step)."""
+def predict(plan: dict, hardware: Hardware, precision: str, idle_fraction: float, across_hosts: set[str],
+            sizes: dict[str, int]) -> Prediction:
+    """The roofline of one compiled step (`plan` from measure_step) on a mesh of axis `sizes`."""
     compute = max(plan["executed_flops_per_stage"]) / hardware.peak_flops[precision]
+    memory = max(plan["written_bytes_per_stage"]) / hardware.write_bandwidth
+    busy = compute + memory
     overlappable = exposed = 0.0
     for op in plan["collective_ops"]:
-        seconds = collective_seconds(op, hardware, across_hosts)
+        seconds = collective_seconds(op, hardware, across_hosts, sizes)
         if hardware.overlaps_collectives and op["mesh_axes"] and set(op["mesh_axes"]) <= {"data"}:
             overlappable += seconds
         else:
             exposed += seconds
-    bubble = compute * idle_fraction / (1 - idle_fraction) if idle_fraction < 1 else math.inf
-    exposed_total = exposed + max(overlappable - compute, 0.0)
-    return Prediction(compute, overlappable + exposed, exposed_total, bubble, compute + exposed_total + bubble)
+    bubble = busy * idle_fraction / (1 - idle_fraction) if idle_fraction < 1 else math.inf
+    exposed_total = exposed + max(overlappable - busy, 0.0)
+    return Prediction(compute, memory, overlappable + exposed, exposed_total, bubble, busy + exposed_total + bubble)

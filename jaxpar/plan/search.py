@@ -289,7 +289,8 @@ def _candidate(cfg: Config, overrides: dict, devices: list, hardware: Hardware, 
     if not candidate.state_only:
         sizes = _sizes(overrides)
         across = host_spanning_axes(sizes, host_split(sizes, layout.mesh, hosts))
-        candidate.prediction = predict(entry["plan"], hardware, cfg.train.precision, entry["idle_fraction"], across)
+        candidate.prediction = predict(entry["plan"], hardware, cfg.train.precision, entry["idle_fraction"], across,
+                                       sizes)
     return candidate
 
 

@@ -18,20 +18,20 @@ def table(result: SearchResult, top: int) -> str:
     ranked = result.ranked
     width = max([len(c.name) for c in ranked[:top]] + [6])
     header = (f"{'rank':>4}  {'layout':<{width}}  {'GiB/device':>10}  {'step ms':>10}  {'compute':>9}  "
-              f"{'comm':>9}  {'exposed':>9}  {'bubble':>9}  limiting")
+              f"{'memory':>9}  {'comm':>9}  {'exposed':>9}  {'bubble':>9}  limiting")
     lines = [header]
     for rank, c in enumerate(ranked[:top], 1):
         p = c.prediction
         lines.append(f"{rank:>4}  {c.name:<{width}}  {c.bytes_per_device / GIB:>10.3f}  {_ms(p.seconds):>10}  "
-                     f"{_ms(p.compute):>9}  {_ms(p.communication):>9}  {_ms(p.exposed_communication):>9}  "
+                     f"{_ms(p.compute):>9}  {_ms(p.memory):>9}  {_ms(p.communication):>9}  {_ms(p.exposed_communication):>9}  "
                      f"{_ms(p.bubble):>9}  {p.limiting}")
     over = sum(not c.fits(result.budget) for c in result.candidates)
     lines.append(f"{len(ranked)} of {result.enumerated} layouts fit in {result.budget / 1e9:g} GB per device "
                  f"({over} over it); {result.compiled} compiled, {result.cached} from the cache, {result.pruned} "
                  f"left out as unable to enter the top {top}, "
                  f"{result.seconds:.0f} s; hardware {result.hardware.name} ({result.hardware.source})")
-    lines.append("(step = compute + exposed comm + bubble; comm: all collectives; exposed: what compute does not "
-                 "hide)")
+    lines.append("(step = compute + memory + exposed comm + bubble; comm: all collectives; exposed: what compute "
+                 "and memory work do not hide)")
     return "\n".join(lines)
 
 
