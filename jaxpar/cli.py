@@ -97,12 +97,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.hardware:
         from jaxpar.hardware import profile
         from jaxpar.plan.roofline import host_spanning_axes, predict
+        from jaxpar.validation import host_split
 
+        hardware = profile(args.hardware, session.devices)
+        # the hosts of that hardware (devices_per_host each), not those of this run
+        hosts = max(len(session.devices) // hardware.devices_per_host, 1)
+        split = host_split(session.mesh_sizes, session.cfg.mesh, hosts)
         table = trainer.pipeline.table
-        plan["predicted"] = predict(plan, profile(args.hardware, session.devices), session.cfg.train.precision,
+        plan["predicted"] = predict(plan, hardware, session.cfg.train.precision,
                                     table.idle_fraction if table is not None else 0.0,
-                                    host_spanning_axes(session.mesh_sizes, session.process_split),
-                                    session.mesh_sizes).to_dict()
+                                    host_spanning_axes(session.mesh_sizes, split), session.mesh_sizes).to_dict()
     from jaxpar import distributed
 
     if not distributed.is_secondary():  # per-device figures: every process compiled the same program

@@ -149,13 +149,29 @@ def _fused(module: Module) -> tuple[set[str], set[str]]:
     return fused, with_dot
 
 
+_OPERAND = re.compile(r"%([^\s,)}]+)")
+
+
+def _in_place_bytes(inst: Instruction, shapes: dict[str, Instruction]) -> int | None:
+    """The bytes of the update when `inst` is (a view of) a dynamic-update-slice, which XLA does
+    in place, writing only the update: None otherwise."""
+    while inst.op in ("bitcast", "reshape") and (names := _OPERAND.findall(inst.rest)) and names[0] in shapes:
+        inst = shapes[names[0]]
+    if inst.op != "dynamic-update-slice":
+        return None
+    names = _OPERAND.findall(inst.rest)
+    return nbytes(shapes[names[1]].shape) if len(names) > 1 and names[1] in shapes else None
+
+
 def written_bytes(module: Module, root: str | None = None) -> float:
     """Bytes the step's non-matmul work writes to memory, times executions (per run of `root`
     when given): the result of every unfused instruction and fusion, less views, control flow,
-    dots (and fusions around them) and collectives. A proxy for elementwise memory traffic."""
+    dots (and fusions around them) and collectives; a dynamic-update-slice (or a fusion ending
+    in one) writes only its update. A proxy for elementwise memory traffic."""
     fused, with_dot = _fused(module)
     if root is not None:
         module = Module(module.computations, root, module.calls)
+    by_name = {name: {i.name: i for i in instructions} for name, instructions in module.computations.items()}
     total = 0.0
     for name, instructions in module.computations.items():
         if name in fused:
@@ -164,10 +180,15 @@ def written_bytes(module: Module, root: str | None = None) -> float:
         for inst in instructions:
             if inst.op in _NOT_WRITTEN or inst.op.startswith(_COLLECTIVE_PREFIXES):
                 continue
-            if inst.op == "fusion" and set(re.findall(r"\bcalls=%([^\s,)}]+)", inst.rest)) & with_dot:
-                continue
+            written = _in_place_bytes(inst, by_name[name])
+            if inst.op == "fusion":
+                callees = re.findall(r"\bcalls=%([^\s,)}]+)", inst.rest)
+                if set(callees) & with_dot:
+                    continue
+                body = module.computations.get(callees[0], []) if callees else []
+                written = _in_place_bytes(body[-1], by_name[callees[0]]) if body else None  # the root comes last
             runs = module.executions(name) if runs is None else runs
-            total += nbytes(inst.shape) * runs
+            total += (nbytes(inst.shape) if written is None else written) * runs
     return total
 
 
