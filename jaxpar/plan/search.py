@@ -72,7 +72,7 @@ def _meshes(cfg: Config, n: int, fixed: dict) -> list[dict]:
     return out
 
 
-def _pipelines(cfg: Config, mesh: dict) -> list[dict]:
+def _pipelines(mesh: dict) -> list[dict]:
     stages = mesh["mesh.stage"]
     if stages == 1:
         return [{}]
@@ -107,7 +107,7 @@ def enumerate_layouts(cfg: Config, n: int, fixed: dict, processes: int = 1) -> l
     ladders = []
     for mesh in _meshes(cfg, n, fixed):
         shards_state = mesh["mesh.data"] * mesh["mesh.expert"] > 1
-        for pipeline, zero in itertools.product(_pipelines(cfg, mesh), (0, 1, 2, 3) if shards_state else (0,)):
+        for pipeline, zero in itertools.product(_pipelines(mesh), (0, 1, 2, 3) if shards_state else (0,)):
             base = {**mesh, **pipeline, "parallel.zero": zero}
             accums = [1] if mesh["mesh.stage"] > 1 else GRAD_ACCUMS
             rungs = [{**base, "train.remat": remat, "train.grad_accum": accum}
