@@ -96,17 +96,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = measure_step(trainer)
     if args.hardware:
         from jaxpar.hardware import profile
-        from jaxpar.plan.roofline import host_spanning_axes, predict
-        from jaxpar.validation import host_split
+        from jaxpar.plan.roofline import predict_layout
 
-        hardware = profile(args.hardware, session.devices)
-        # the hosts of that hardware (devices_per_host each), not those of this run
-        hosts = max(len(session.devices) // hardware.devices_per_host, 1)
-        split = host_split(session.mesh_sizes, session.cfg.mesh, hosts)
-        table = trainer.pipeline.table
-        plan["predicted"] = predict(plan, hardware, session.cfg.train.precision,
-                                    table.idle_fraction if table is not None else 0.0,
-                                    host_spanning_axes(session.mesh_sizes, split), session.mesh_sizes).to_dict()
+        table = trainer.pipeline.table  # predicted over the hosts of that hardware, not those of this run
+        plan["predicted"] = predict_layout(plan, profile(args.hardware, session.devices), session.cfg,
+                                           session.mesh_sizes,
+                                           table.idle_fraction if table is not None else 0.0).to_dict()
     from jaxpar import distributed
 
     if not distributed.is_secondary():  # per-device figures: every process compiled the same program
@@ -146,10 +141,11 @@ def _plan_search(args: argparse.Namespace) -> int:
                           f"give --hardware (one of {', '.join(PROFILES)}).")
     hardware = profile(name, devices)
     budget = args.memory_gb * 1e9 if args.memory_gb is not None else hardware.memory_bytes
+    top = args.top or DEFAULT_TOP
     result = search(cfg, devices, hardware, budget, fixed, progress=not args.no_progress,
-                    processes=args.processes or min(os.cpu_count() or 1, MAX_SEARCH_PROCESSES), top=args.top or 10)
+                    processes=args.processes or min(os.cpu_count() or 1, MAX_SEARCH_PROCESSES), top=top)
     best = search_report.best_overrides(result)
-    print(search_report.table(result, args.top or 10))
+    print(search_report.table(result, top))
     settings = [*([path] if path else []), *(o for o in overrides if parse_override(o)[0] not in SEARCHED_KEYS)]
     print("train it: jaxpar train " + " ".join([*settings, *(f"{k}={v}" for k, v in best.items())]))
     per_step = flops_per_token(cfg) * cfg.train.batch_size * cfg.model.seq_len
@@ -190,6 +186,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 MAX_SEARCH_PROCESSES = 4  # each compiling process holds its own jax and XLA (about 1 GB)
+DEFAULT_TOP = 10  # rows of plan --search's table, and the rank a ladder must be able to reach
 SETTINGS_HELP = "an optional CONFIG.yaml followed by key=value overrides (e.g. mesh.tensor=2)"
 
 
@@ -223,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the hardware profile of the roofline (default: the devices' own; cpu is measured here "
                         "once and cached); without --search, adds the predicted step time to the plan")
     p.add_argument("--memory-gb", type=float, help="memory budget per device in GB (default: the profile's memory)")
-    p.add_argument("--top", type=int, help="rows of the ranked table (default 10)")
+    p.add_argument("--top", type=int, help=f"rows of the ranked table (default {DEFAULT_TOP})")
     p.add_argument("--processes", type=int, default=0,
                    help=f"processes compiling layouts at once (default 0: one per core, at most {MAX_SEARCH_PROCESSES})")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --search")

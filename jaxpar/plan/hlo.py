@@ -213,4 +213,3 @@ def executed_cost(module: Module, scope: str, branch_runs: list[list[int]], cost
             for d, taken in enumerate(branch_runs):
                 per_device[d] += (taken[k] - runs) * amount
     return per_device
-

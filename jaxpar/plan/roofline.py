@@ -26,6 +26,7 @@ import dataclasses
 import math
 
 from jaxpar.hardware import Hardware
+from jaxpar.validation import host_split
 
 TERMS = ("compute", "memory", "communication", "bubble")
 
@@ -81,3 +82,14 @@ def predict(plan: dict, hardware: Hardware, precision: str, idle_fraction: float
     bubble = busy * idle_fraction / (1 - idle_fraction) if idle_fraction < 1 else math.inf
     exposed_total = exposed + max(overlappable - busy, 0.0)
     return Prediction(compute, memory, overlappable + exposed, exposed_total, bubble, busy + exposed_total + bubble)
+
+
+def hosts_of(hardware: Hardware, n_devices: int) -> int:
+    """How many hosts n devices of this hardware take (devices_per_host each; at least one)."""
+    return max(n_devices // hardware.devices_per_host, 1)
+
+
+def predict_layout(plan: dict, hardware: Hardware, cfg, sizes: dict[str, int], idle_fraction: float) -> Prediction:
+    """`predict` for cfg's layout (mesh axis `sizes`) laid out over the hosts of `hardware`."""
+    split = host_split(sizes, cfg.mesh, hosts_of(hardware, math.prod(sizes.values())))
+    return predict(plan, hardware, cfg.train.precision, idle_fraction, host_spanning_axes(sizes, split), sizes)

@@ -28,8 +28,8 @@ from jaxpar.errors import UserError
 from jaxpar.parallel.schedules import SCHEDULES
 from jaxpar.plan import compiled_cache
 from jaxpar.hardware import Hardware
-from jaxpar.plan.roofline import Prediction, host_spanning_axes, predict
-from jaxpar.validation import host_split, validate
+from jaxpar.plan.roofline import Prediction, hosts_of, predict_layout
+from jaxpar.validation import validate
 
 MESH_KEYS = ("mesh.data", "mesh.tensor", "mesh.expert", "mesh.stage")
 PIPELINE_KEYS = ("parallel.pipeline.schedule", "parallel.pipeline.microbatches", "parallel.pipeline.virtual")
@@ -222,7 +222,7 @@ def search(cfg: Config, devices: list, hardware: Hardware, budget: float, fixed:
 
     start = time.perf_counter()
     n = len(devices)
-    hosts = max(n // hardware.devices_per_host, 1)
+    hosts = hosts_of(hardware, n)
     ladders = enumerate_layouts(cfg, n, fixed, hosts)
     if not ladders:
         validate(cfg, n, hosts)  # the base config's own mistake, when it has one, says more
@@ -258,7 +258,7 @@ def search(cfg: Config, devices: list, hardware: Hardware, budget: float, fixed:
         fill()
         while pool.busy:
             (i, rung), (entry, cached) = pool.next_result()
-            candidate = _candidate(cfg, ladders[i][rung], devices, hardware, hosts, entry, cached)
+            candidate = _candidate(cfg, ladders[i][rung], devices, hardware, entry, cached)
             done[i, rung] = candidate
             bar.set_postfix_str(candidate.name[:48])
             left = len(ladders[i]) - rung - 1
@@ -281,16 +281,14 @@ def search(cfg: Config, devices: list, hardware: Hardware, budget: float, fixed:
                         hardware, budget)
 
 
-def _candidate(cfg: Config, overrides: dict, devices: list, hardware: Hardware, hosts: int, entry: dict,
+def _candidate(cfg: Config, overrides: dict, devices: list, hardware: Hardware, entry: dict,
                cached: bool) -> Candidate:
     layout = cfg.replace(**overrides)
     candidate = Candidate(overrides, _name(layout, devices), entry["bytes_per_device"], None, entry["state_only"],
                           cached)
     if not candidate.state_only:
-        sizes = _sizes(overrides)
-        across = host_spanning_axes(sizes, host_split(sizes, layout.mesh, hosts))
-        candidate.prediction = predict(entry["plan"], hardware, cfg.train.precision, entry["idle_fraction"], across,
-                                       sizes)
+        candidate.prediction = predict_layout(entry["plan"], hardware, layout, _sizes(overrides),
+                                              entry["idle_fraction"])
     return candidate
 
 
