@@ -49,11 +49,22 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 0  # key/value heads (grouped-query attention; 1: multi-query); 0: as many as n_heads
+    head_dim: int = 0  # width of one attention head; 0: d_model / n_heads (Qwen 3 sets its own)
     d_ff: int = 512
     seq_len: int = 128
     positions: Literal["rope", "learned"] = "rope"
     rope_theta: float = 10000.0  # base of the rotary angles (Llama 3: 500000)
+    # rotary frequencies rescaled for a longer context: linear (all divided by rope_factor), or llama3 (Llama
+    # 3.1/3.2: wavelengths beyond original_context / low_freq_factor divided by rope_factor, those under
+    # original_context / high_freq_factor kept, the band between interpolated)
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
     norm_eps: float = 1e-5  # RMSNorm's epsilon
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen 2/2.5)
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary positions (Qwen 3)
     mlp: Literal["gelu", "swiglu"] = "gelu"
     # dot: the L x L scores; flash: blockwise, O(L) memory on any backend; cudnn: jax.nn.dot_product_attention's
     # cuDNN kernel (GPU, bf16/fp16); auto: cudnn where it runs, else flash when the sequence spans several blocks, else dot
@@ -61,12 +72,28 @@ class ModelConfig:
     flash_block_q: int = 512  # query positions per flash block (at most seq_len)
     flash_block_kv: int = 512  # key positions per flash block (at most seq_len)
     tie_embeddings: bool = True
+    # the embedding and output rows are vocab_size rounded up to a multiple of this (say mesh.tensor, for
+    # tensor parallelism); the padded rows are never looked up, their logits never win, and export drops them
+    vocab_multiple: int = 1
+    # a Hugging Face checkpoint folder (config.json + *.safetensors): the shape comes from its config.json
+    # and the first step starts from its weights
+    from_hf: str = ""
     moe: MoEConfig = MoEConfig()
 
     @property
     def kv_heads(self) -> int:
         """Key/value heads: n_kv_heads, or n_heads when it is 0."""
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        """Width of one attention head: head_dim, or d_model / n_heads when it is 0."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and of the output: vocab_size rounded up to a multiple of vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     def flash_blocks(self) -> tuple[int, int]:
         """The flash block sizes (query, key) this sequence length uses: the configured ones, at most seq_len."""
@@ -386,11 +413,15 @@ def parse_override(arg: str) -> tuple[str, str]:
 
 
 def load_config(path: str | None = None, overrides: list[str] | dict | None = None) -> Config:
-    """Build a Config from defaults, an optional YAML preset and key=value overrides."""
-    cfg = Config()
+    """Build a Config from defaults, an optional YAML preset and key=value overrides, with the shape of
+    model.from_hf's checkpoint filled in."""
+    cfg, given = Config(), set()
     if path is not None:
-        cfg = apply_overrides(cfg, _read_yaml(Path(path)))
+        preset = _read_yaml(Path(path))
+        cfg, given = apply_overrides(cfg, preset), set(flatten_dict(preset))
     if overrides:
         pairs = dict(parse_override(o) for o in overrides) if isinstance(overrides, list) else overrides
-        cfg = apply_overrides(cfg, pairs)
-    return cfg
+        cfg, given = apply_overrides(cfg, pairs), given | set(flatten_dict(pairs))
+    from jaxpar.interop.hf_config import resolve  # pure Python: jax is still not imported
+
+    return resolve(cfg, given)

@@ -142,6 +142,19 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError("parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3.")
 
 
+def _validate_rope(m) -> None:
+    if m.rope_scaling == "none":
+        return
+    if m.positions != "rope":
+        raise ConfigError(f"model.rope_scaling={m.rope_scaling} needs model.positions=rope.")
+    if m.rope_factor <= 0:
+        raise ConfigError(f"model.rope_factor must be positive, got {m.rope_factor}.")
+    if m.rope_scaling == "llama3" and not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+                                           and m.rope_original_context > 0):
+        raise ConfigError("llama3 rope scaling needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor "
+                          "and a positive model.rope_original_context.")
+
+
 def _validate_attention(cfg: Config, sizes: dict[str, int]) -> None:
     m, tensor = cfg.model, sizes["tensor"]
     if m.n_kv_heads < 0 or m.n_kv_heads > m.n_heads or (m.n_kv_heads and m.n_heads % m.n_kv_heads):
@@ -272,18 +285,26 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str,
         if not path.strip() or not path.isprintable():
             raise ConfigError(f"{key} must be a non-empty path without control characters, got {path!r}.")
     m, t = cfg.model, cfg.train
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len"):
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_multiple"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key} must be positive, got {getattr(m, key)}.")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}.")
-    if m.positions == "rope" and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"rotary positions need an even head size, but model.d_model / model.n_heads = "
-                          f"{m.d_model // m.n_heads}.")
+    if m.head_dim < 0:
+        raise ConfigError(f"model.head_dim must be 0 (d_model / n_heads) or positive, got {m.head_dim}.")
+    if not m.head_dim and m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+                          f"set model.head_dim to give the heads their own width.")
+    if m.positions == "rope" and m.head_size % 2:
+        raise ConfigError(f"rotary positions need an even head size, but it is {m.head_size} "
+                          f"(model.head_dim, or model.d_model / model.n_heads).")
     tensor = sizes["tensor"]
-    for key in ("n_heads", "d_ff", "vocab_size"):
+    for key in ("n_heads", "d_ff"):
         if getattr(m, key) % tensor:
             raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by mesh.tensor={tensor}.")
+    if m.padded_vocab % tensor:
+        padded = "" if m.vocab_multiple == 1 else f" (padded to {m.padded_vocab} by model.vocab_multiple={m.vocab_multiple})"
+        raise ConfigError(f"model.vocab_size={m.vocab_size}{padded} is not divisible by mesh.tensor={tensor}; pad it "
+                          f"with model.vocab_multiple={tensor} (the padded rows never win, and export drops them).")
+    _validate_rope(m)
     _validate_attention(cfg, sizes)
     for key in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
         if getattr(t, key) <= 0:

@@ -9,6 +9,7 @@ block, else dot. Scores accumulate in fp32 whatever the compute dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -16,9 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.axes import column_parallel, constrain, param, row_parallel
+from jaxpar.model.axes import column_parallel, constrain, param, row_parallel, zeros_param
 from jaxpar.model.flash import flash_attention
-from jaxpar.model.layers import rotary
+from jaxpar.model.layers import RMSNorm, rope_frequencies, rotary
 
 HALF_PRECISION = (jnp.bfloat16, jnp.float16)
 
@@ -29,28 +30,32 @@ class Attention(nnx.Module):
     With as many key/value heads as query heads, Q, K and V share one fused weight (one matmul,
     and in backward one all-reduce of dx); with fewer (grouped-query or multi-query attention) Q
     has its own weight and K, V share one, as their head counts and shardings differ. Query head
-    h reads key/value head h // (n_heads / n_kv_heads).
+    h reads key/value head h // (n_heads / n_kv_heads). Optional: biases on Q, K and V
+    (`model.qkv_bias`), and an RMSNorm of each query and key head before the rotation
+    (`model.qk_norm`).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, H, G = cfg.d_model, cfg.n_heads, cfg.kv_heads
-        K = D // H
+        D, H, G, K = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size
         self.fused_qkv = G == H
         if self.fused_qkv:
             self.w_qkv = param(rngs.params(), (D, 3, H, K), ("embed", None, "heads", "kv"), D ** -0.5)
+            self.b_qkv = zeros_param((3, H, K), (None, "heads", "kv")) if cfg.qkv_bias else None
         else:
             self.w_q = param(rngs.params(), (D, H, K), ("embed", "heads", "kv"), D ** -0.5)
             self.w_kv = param(rngs.params(), (D, 2, G, K), ("embed", None, "kv_heads", "kv"), D ** -0.5)
+            self.b_q = zeros_param((H, K), ("heads", "kv")) if cfg.qkv_bias else None
+            self.b_kv = zeros_param((2, G, K), (None, "kv_heads", "kv")) if cfg.qkv_bias else None
+        self.q_norm = RMSNorm(K, cfg.norm_eps, ("kv",)) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(K, cfg.norm_eps, ("kv",)) if cfg.qk_norm else None
         # GPT-2 style: residual projections scaled down with depth.
-        self.wo = param(rngs.params(), (H, K, D), ("heads", "kv", "embed"), D ** -0.5 / math.sqrt(2 * cfg.n_layers))
-        self.rope_theta = cfg.rope_theta if cfg.positions == "rope" else None
+        self.wo = param(rngs.params(), (H, K, D), ("heads", "kv", "embed"), (H * K) ** -0.5 / math.sqrt(2 * cfg.n_layers))
+        self.frequencies = rope_frequencies(cfg) if cfg.positions == "rope" else None
         self.kernel = cfg.attention
         self.flash_blocks = cfg.flash_blocks()
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD)
-        if self.rope_theta is not None:
-            q_BLHK, k_BLGK = rotary(q_BLHK, self.rope_theta), rotary(k_BLGK, self.rope_theta)
         kernel = attention_kernel(self.kernel, q_BLHK.dtype, x_BLD.shape[1], self.flash_blocks)
         if kernel == "cudnn":  # takes the fewer key/value heads as they are
             out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, is_causal=True, implementation="cudnn")
@@ -61,21 +66,71 @@ class Attention(nnx.Module):
                                            block_kv=self.flash_blocks[1])
             else:
                 out_BLHK = dot_attention(q_BLHK, k_BLHK, v_BLHK)
+        return self.output(out_BLHK)
+
+    def decode(self, x_BLD: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """The next L positions with a key/value cache: their keys and values are written into the
+        cache at cache.length, and their queries attend to every cached position up to their own."""
+        positions_L = cache.length + jnp.arange(x_BLD.shape[1])
+        q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD, positions_L)
+        cache = cache.append(k_BLGK, v_BLGK)
+        k_BPHK, v_BPHK = (repeat_kv_heads(t, q_BLHK.shape[2]) for t in (cache.k_BPGK, cache.v_BPGK))
+        visible_LP = jnp.arange(k_BPHK.shape[1])[None, :] <= positions_L[:, None]
+        return self.output(dot_attention(q_BLHK, k_BPHK, v_BPHK, visible_LP)), cache
+
+    def output(self, out_BLHK: jax.Array) -> jax.Array:
+        """The heads' outputs through the output projection, into the residual stream."""
         names, residual = ("batch", "seq", "heads", "kv"), ("batch", "residual_seq", "embed")
         out_BLHK = constrain(out_BLHK, names)
         return constrain(row_parallel("BLHK,HKD->BLD", out_BLHK, self.wo, names, residual), residual)
 
-    def project(self, x_BLD: jax.Array):
-        """q (B, L, H, K) and k, v (B, L, G, K), G the key/value heads."""
+    def project(self, x_BLD: jax.Array, positions_L: jax.Array | None = None):
+        """q (B, L, H, K) and k, v (B, L, G, K), G the key/value heads, with biases, head norms and
+        rotary positions applied (positions_L: default 0 ... L-1)."""
         names, kv_names = ("batch", "seq", "heads", "kv"), ("batch", "seq", "kv_heads", "kv")
         residual = ("batch", "residual_seq", "embed")
         if self.fused_qkv:
             qkv_BLQHK = column_parallel("BLD,DQHK->BLQHK", x_BLD, self.w_qkv, residual,
                                         ("batch", "seq", None, "heads", "kv"))
-            return tuple(constrain(qkv_BLQHK[:, :, i], names) for i in range(3))
-        q_BLHK = constrain(column_parallel("BLD,DHK->BLHK", x_BLD, self.w_q, residual, names), names)
-        kv_BLQGK = column_parallel("BLD,DQGK->BLQGK", x_BLD, self.w_kv, residual, ("batch", "seq", None, "kv_heads", "kv"))
-        return (q_BLHK, *(constrain(kv_BLQGK[:, :, i], kv_names) for i in range(2)))
+            if self.b_qkv is not None:
+                qkv_BLQHK = qkv_BLQHK + self.b_qkv[...]
+            q_BLHK, k_BLGK, v_BLGK = (constrain(qkv_BLQHK[:, :, i], names) for i in range(3))
+        else:
+            q_BLHK = column_parallel("BLD,DHK->BLHK", x_BLD, self.w_q, residual, names)
+            kv_BLQGK = column_parallel("BLD,DQGK->BLQGK", x_BLD, self.w_kv, residual,
+                                       ("batch", "seq", None, "kv_heads", "kv"))
+            if self.b_q is not None:
+                q_BLHK, kv_BLQGK = q_BLHK + self.b_q[...], kv_BLQGK + self.b_kv[...]
+            q_BLHK = constrain(q_BLHK, names)
+            k_BLGK, v_BLGK = (constrain(kv_BLQGK[:, :, i], kv_names) for i in range(2))
+        if self.q_norm is not None:
+            q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
+        if self.frequencies is not None:
+            q_BLHK = rotary(q_BLHK, self.frequencies, positions_L)
+            k_BLGK = rotary(k_BLGK, self.frequencies, positions_L)
+        return q_BLHK, k_BLGK, v_BLGK
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """One attention layer's keys and values for P positions (B, P, G, K), of which the first
+    `length` are filled."""
+
+    k_BPGK: jax.Array
+    v_BPGK: jax.Array
+    length: jax.Array
+
+    @staticmethod
+    def empty(batch: int, positions: int, cfg: ModelConfig, dtype) -> KVCache:
+        shape = (batch, positions, cfg.kv_heads, cfg.head_size)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+    def append(self, k_BLGK: jax.Array, v_BLGK: jax.Array) -> KVCache:
+        at = (0, self.length, 0, 0)
+        return KVCache(jax.lax.dynamic_update_slice(self.k_BPGK, k_BLGK.astype(self.k_BPGK.dtype), at),
+                       jax.lax.dynamic_update_slice(self.v_BPGK, v_BLGK.astype(self.v_BPGK.dtype), at),
+                       self.length + k_BLGK.shape[1])
 
 
 def attention_kernel(choice: str, dtype, seq_len: int, flash_blocks: tuple[int, int]) -> str:
@@ -95,11 +150,13 @@ def repeat_kv_heads(x_BLGK: jax.Array, heads: int) -> jax.Array:
     return constrain(x_BLHK, ("batch", "seq", "heads", "kv"))
 
 
-def dot_attention(q_BLHK: jax.Array, k_BPHK: jax.Array, v_BPHK: jax.Array) -> jax.Array:
-    """Causal softmax(q k^T / sqrt(K)) v with the whole L x P score matrix, scores in fp32."""
+def dot_attention(q_BLHK: jax.Array, k_BPHK: jax.Array, v_BPHK: jax.Array,
+                  visible_LP: jax.Array | None = None) -> jax.Array:
+    """softmax(q k^T / sqrt(K)) v with the whole L x P score matrix, scores in fp32. visible_LP: which
+    keys each query sees (default causal, L = P)."""
     L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
     scores_BHLP = jnp.einsum("BLHK,BPHK->BHLP", q_BLHK, k_BPHK, preferred_element_type=jnp.float32) / math.sqrt(K)
-    causal_LP = jnp.tril(jnp.ones((L, L), dtype=bool))
-    scores_BHLP = jnp.where(causal_LP, scores_BHLP, jnp.finfo(jnp.float32).min)
+    visible_LP = jnp.tril(jnp.ones((L, L), dtype=bool)) if visible_LP is None else visible_LP
+    scores_BHLP = jnp.where(visible_LP, scores_BHLP, jnp.finfo(jnp.float32).min)
     probs_BHLP = jax.nn.softmax(scores_BHLP, axis=-1).astype(q_BLHK.dtype)
     return jnp.einsum("BHLP,BPHK->BLHK", probs_BHLP, v_BPHK)

@@ -54,6 +54,11 @@ def ones_param(shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Par
     return nnx.Param(jax.numpy.ones(shape, jax.numpy.float32), out_sharding=names, eager_sharding=False)
 
 
+def zeros_param(shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
+    """A parameter of zeros (biases) annotated with logical axis names."""
+    return nnx.Param(jax.numpy.zeros(shape, jax.numpy.float32), out_sharding=names, eager_sharding=False)
+
+
 def logical_names(variable: nnx.Variable, ndim: int) -> tuple:
     """A variable's logical axis names, one per dimension (all None when it has none that fit:
     an optimizer statistic of another rank, such as Adafactor's factored moments)."""

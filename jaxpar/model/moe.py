@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model import routers
-from jaxpar.model.axes import constrain, expert_all_to_all, param
+from jaxpar.model.axes import constrain, expert_all_to_all, param, zeros_param
 
 
 class MoE(nnx.Module):
@@ -28,8 +28,7 @@ class MoE(nnx.Module):
         self.router, self.top_k, self.noise = moe.router, moe.top_k, moe.noise
         self.group_size, self.capacity_factor = moe.group_size, moe.capacity_factor
         self.w_router = param(rngs.params(), (D, E), ("embed", None), D ** -0.5)
-        self.w_noise = (nnx.Param(jnp.zeros((D, E), jnp.float32), out_sharding=("embed", None), eager_sharding=False)
-                        if moe.router == "topk" else None)
+        self.w_noise = zeros_param((D, E), ("embed", None)) if moe.router == "topk" else None
         self.w_up = param(rngs.params(), (E, D, F), ("expert", "embed", "mlp"), D ** -0.5)
         self.w_down = param(rngs.params(), (E, F, D), ("expert", "mlp", "embed"), F ** -0.5 / math.sqrt(2 * cfg.n_layers))
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.attention import Attention
+from jaxpar.model.attention import Attention, KVCache
 from jaxpar.model.axes import column_parallel, constrain, param
 from jaxpar.model.layers import RMSNorm
 from jaxpar.model.mlp import MLP
@@ -29,7 +29,14 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
 
     def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+        return self._feed_forward(x_BLD + self.attn(self.attn_norm(x_BLD)), noise_B)
+
+    def decode(self, x_BLD: jax.Array, cache: KVCache):
+        """The block on the next positions with its attention's key/value cache: (x, cache)."""
+        y_BLD, cache = self.attn.decode(self.attn_norm(x_BLD), cache)
+        return self._feed_forward(x_BLD + y_BLD, None)[0], cache
+
+    def _feed_forward(self, x_BLD: jax.Array, noise_B: jax.Array | None):
         if isinstance(self.mlp, MoE):
             y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), noise_B)
             return x_BLD + y_BLD, stats
@@ -50,11 +57,20 @@ class MoEUnit(nnx.Module):
             stats = block_stats or stats
         return x_BLD, stats
 
+    def decode(self, x_BLD: jax.Array, caches: tuple[KVCache, ...]):
+        """The unit's blocks on the next positions, each with its own key/value cache."""
+        updated = []
+        for block, cache in zip(self.blocks, caches):
+            x_BLD, cache = block.decode(x_BLD, cache)
+            updated.append(cache)
+        return x_BLD, tuple(updated)
+
 
 class Transformer(nnx.Module):
     """Token embedding, optional learned positions, scanned blocks, final norm, (tied) logits.
 
-    Call with int tokens (B, L); returns fp32 logits (B, L, V).
+    Call with int tokens (B, L); returns fp32 logits (B, L, V), V the padded vocabulary
+    (`model.vocab_multiple`), whose padded columns hold the lowest float and so never win.
     """
 
     # Where the stacked layers live in the parameter state: a layer's weights inside the layer
@@ -62,7 +78,8 @@ class Transformer(nnx.Module):
     STACKED_AT = ("blocks",)
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        V, D = cfg.vocab_size, cfg.d_model
+        V, D = cfg.padded_vocab, cfg.d_model
+        self.vocab_size = cfg.vocab_size
         self.embedding = param(rngs.params(), (V, D), ("vocab", "embed"), 0.02)
         self.pos_embedding = (
             param(rngs.params(), (cfg.seq_len, D), ("pos", "embed"), 0.02) if cfg.positions == "learned" else None
@@ -76,6 +93,7 @@ class Transformer(nnx.Module):
             return unit(cfg, rngs=rngs)
 
         self.blocks = stacked_blocks(rngs)
+        self.blocks_per_unit = cfg.moe.every if cfg.moe.experts else 1
         self.final_norm = RMSNorm(D, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), D ** -0.5)
 
@@ -86,8 +104,9 @@ class Transformer(nnx.Module):
         """How many layers are stacked (scanned units: blocks, or MoE units of moe.every blocks)."""
         return stacked_layers(nnx.state(self.blocks))
 
-    def embed(self, tokens_BL: jax.Array) -> jax.Array:
-        """Token (and learned position) embedding: (B, L) ints -> (B, L, D)."""
+    def embed(self, tokens_BL: jax.Array, first_position: jax.Array | int = 0) -> jax.Array:
+        """Token (and learned position) embedding: (B, L) ints -> (B, L, D); the tokens sit at
+        positions first_position ... first_position + L - 1."""
         # The tokens stay whole along the sequence: sharding them like the residual stream would make
         # the partitioner shift their halo (the T -> L slice) with a collective-permute.
         tokens_BL = constrain(tokens_BL, ("batch", "seq"))
@@ -97,7 +116,8 @@ class Transformer(nnx.Module):
         x_BLD = constrain(jnp.take(self.embedding[...], tokens_BL, axis=0), ("batch", "seq", "embed"))
         x_BLD = constrain(x_BLD, ("batch", "residual_seq", "embed"))
         if self.pos_embedding is not None:
-            x_BLD = x_BLD + self.pos_embedding[...][: tokens_BL.shape[1]][None]
+            positions_LD = jax.lax.dynamic_slice_in_dim(self.pos_embedding[...], first_position, tokens_BL.shape[1])
+            x_BLD = x_BLD + positions_LD[None]
             x_BLD = constrain(x_BLD, ("batch", "residual_seq", "embed"))
         return x_BLD
 
@@ -110,7 +130,34 @@ class Transformer(nnx.Module):
             logits_BLV = column_parallel("BLD,VD->BLV", x_BLD, self.embedding, residual, names, jnp.float32)
         else:
             logits_BLV = column_parallel("BLD,DV->BLV", x_BLD, self.head, residual, names, jnp.float32)
+        if logits_BLV.shape[-1] > self.vocab_size:  # padded rows: never the target, never the argmax
+            real_V = jnp.arange(logits_BLV.shape[-1]) < self.vocab_size
+            logits_BLV = jnp.where(real_V, logits_BLV, jnp.finfo(logits_BLV.dtype).min)
         return constrain(logits_BLV, names)
+
+    def decode(self, tokens_BL: jax.Array, caches) -> tuple[jax.Array, object]:
+        """Logits (B, L, V) of the next L tokens, given the key/value caches of what came before
+        (`empty_caches`), and the caches with these tokens added."""
+        x_BLD = self.embed(tokens_BL, _cache_length(caches))
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def one_unit(x_BLD, unit):
+            layer_state, unit_caches = unit
+            x_BLD, unit_caches = nnx.merge(graphdef, layer_state).decode(x_BLD, unit_caches)
+            return x_BLD, unit_caches
+
+        x_BLD, caches = jax.lax.scan(one_unit, x_BLD, (stacked, caches))
+        return self.logits(x_BLD), caches
+
+    def empty_caches(self, cfg: ModelConfig, batch: int, positions: int, dtype=jnp.float32):
+        """Key/value caches for `positions` positions, stacked like the layers: a KVCache per block,
+        a tuple of them per unit of an MoE model."""
+        one = KVCache.empty(batch, positions, cfg, dtype)
+        units = self.stacked_layers()
+        stack = lambda cache: jax.tree.map(lambda a: jnp.broadcast_to(a, (units, *a.shape)), cache)  # noqa: E731
+        if isinstance(self.blocks, MoEUnit):
+            return tuple(stack(one) for _ in range(self.blocks_per_unit))
+        return stack(one)
 
     def run_blocks(self, x_BLD: jax.Array, scan: LayerScan | None = None, layer_ids: jax.Array | None = None,
                    noise_B: jax.Array | None = None):
@@ -142,6 +189,12 @@ LayerScan = Callable[[Callable, jax.Array, object, jax.Array], tuple]
 def plain_scan(one_layer: Callable, x_BLD: jax.Array, stacked, layer_ids: jax.Array):
     """A `lax.scan` of one_layer over the stacked layers, nothing kept or redone specially."""
     return jax.lax.scan(lambda x, layer: one_layer(x, *layer), x_BLD, (stacked, layer_ids))
+
+
+def _cache_length(caches) -> jax.Array:
+    """How many positions the caches hold already (the same in every layer)."""
+    first = caches[0] if isinstance(caches, tuple) else caches
+    return first.length[0]
 
 
 def stacked_layers(stacked) -> int:

@@ -39,6 +39,7 @@ def matmul_flops_floor(cfg) -> float:
 
 
 def flops_per_token(cfg) -> float:
-    """6 * active params (forward + backward matmuls) + 12 * layers * d_model * seq_len (attention)."""
+    """6 * active params (forward + backward matmuls) + 12 * layers * (heads x head width) * seq_len
+    (attention's scores and weighted values)."""
     m = cfg.model
-    return 6 * active_params(cfg) + 12 * m.n_layers * m.d_model * m.seq_len
+    return 6 * active_params(cfg) + 12 * m.n_layers * m.n_heads * m.head_size * m.seq_len
