@@ -1,4 +1,4 @@
-"""The `jaxpar` command line: train, verify, plan, schedule, tokenize and launch.
+"""The `jaxpar` command line: train, verify, plan, schedule, tokenize, export-hf, generate and launch.
 
 User mistakes (config, devices, data, a checkpoint that does not fit the config) end in one
 sentence on stderr and exit code 2, before anything is compiled. A training run whose loss
@@ -178,6 +178,26 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from jaxpar.interop.hf import export_run
+
+    result = export_run(args.run_dir, args.out, args.step, args.dtype, progress=not args.no_progress)
+    print(f"step {result['step']} of {args.run_dir} written to {args.out}/ as a {result['family']} checkpoint "
+          f"({result['dtype']}): {', '.join(result['files'])}")
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxpar.generate import generate
+
+    result = generate(args.source, args.prompt, args.tokens, args.temperature, args.seed, args.step)
+    print(result["text"])
+    print(f"{result['new_tokens']} new tokens after {result['prompt_tokens']} of prompt, "
+          f"{result['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from jaxpar.launch import launch
 
@@ -235,9 +255,28 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "shards for data.source")
     p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="text files (UTF-8)")
     p.add_argument("--vocab-size", type=int, help="vocabulary of the tokenizer to train (at least 257)")
-    p.add_argument("--tokenizer", metavar="FILE", help="apply this tokenizer.json instead of training one")
+    p.add_argument("--tokenizer", metavar="FILE|DIR",
+                   help="apply this tokenizer.json (or the one in this folder: a Hugging Face checkpoint, a tokenized "
+                        "folder) instead of training one")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p = _add_command(sub, "export-hf", cmd_export_hf, "write a run's checkpoint as a Hugging Face checkpoint "
+                                                      "(config.json, safetensors, tokenizer)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (run.dir)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the written weights (default bf16)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p = _add_command(sub, "generate", cmd_generate, "continue a prompt with a trained or imported model "
+                                                    "(key/value cache; greedy or sampled)")
+    p.add_argument("source", metavar="RUN_DIR|HF_DIR", help="a run's folder (its newest checkpoint) or a Hugging Face "
+                                                           "checkpoint folder")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample from "
+                                                                  "softmax(logits / temperature)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
     p = _add_command(sub, "launch", cmd_launch, "run a jaxpar command as N local processes of one distributed run",
                      usage=f"jaxpar launch --processes N [--devices-per-process K] -- "
                            f"{'|'.join(LAUNCHABLE_COMMANDS)} ...")

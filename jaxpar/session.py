@@ -10,7 +10,8 @@ from pathlib import Path
 
 from jaxpar.config import Config
 from jaxpar.data import BatchSampler, load_tokens, split_tokens
-from jaxpar.data.token_folder import TOKENIZER, TextCodec, is_token_folder
+from jaxpar.data.token_folder import TextCodec, tokenizer_folder
+from jaxpar.interop.hf_config import resolve as resolve_hf
 from jaxpar.runtime import make_mesh, setup_devices
 from jaxpar.validation import check_attention_platform, validate, with_derived
 
@@ -69,10 +70,19 @@ class Session:
         return " ".join(parts)
 
     @functools.cached_property
+    def hf_checkpoint(self):
+        """model.from_hf's safetensors, checked against its config.json (None without one)."""
+        if not self.cfg.model.from_hf:
+            return None
+        from jaxpar.interop.hf_weights import open_checkpoint
+
+        return open_checkpoint(self.cfg.model)
+
+    @functools.cached_property
     def codec(self) -> TextCodec:
-        """Text <-> token ids (prompts and samples): the tokenized folder's tokenizer, else bytes."""
-        source = self.cfg.data.source
-        return TextCodec(Path(source) / TOKENIZER if is_token_folder(source) else None)
+        """Text <-> token ids (prompts and samples): the tokenized folder's tokenizer, else model.from_hf's,
+        else bytes."""
+        return TextCodec(tokenizer_folder(self.cfg.data.source, self.cfg.model.from_hf))
 
     @property
     def train_data(self) -> BatchSampler:
@@ -85,6 +95,7 @@ class Session:
 
 def on_devices(cfg: Config, devices: list) -> Session:
     """Validate `cfg` for `devices` (already set up) and derive its mesh; raises UserError."""
+    cfg = resolve_hf(cfg)  # a config built in Python (not by load_config) may name model.from_hf
     sizes, split = validate(cfg, len(devices), len({d.process_index for d in devices}))
     check_attention_platform(cfg, devices[0].platform)
     return Session(with_derived(cfg, sizes), devices, sizes, split, make_mesh(sizes, devices, split))
@@ -95,4 +106,5 @@ def prepare(cfg: Config) -> Session:
     raises UserError."""
     session = on_devices(cfg, setup_devices(cfg))
     session.train_data  # noqa: B018 (a missing or unreadable data.source is reported before compiling)
+    session.hf_checkpoint  # noqa: B018 (so is a missing, cut-short or misshapen model.from_hf checkpoint)
     return session

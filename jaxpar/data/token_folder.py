@@ -19,6 +19,8 @@ import numpy as np
 from jaxpar.data.corpus import DataError
 
 META, TOKENIZER = "meta.json", "tokenizer.json"
+# a Hugging Face tokenizer's settings beside its tokenizer.json (special tokens, chat template), kept with it
+COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 FORMAT = "jaxpar-tokens-1"
 DTYPES = ("uint16", "uint32")
 
@@ -125,16 +127,53 @@ def open_token_folder(source: str, vocab_size: int) -> ShardedTokens:
     return ShardedTokens(shards)
 
 
-class TextCodec:
-    """Text <-> token ids for prompts and samples: bytes (UTF-8) for text sources, the folder's
-    tokenizer for a tokenized folder."""
+def tokenizer_folder(source: str, from_hf: str) -> Path | None:
+    """The folder holding the tokenizer of a model trained on data.source=`source`: a tokenized folder,
+    else the Hugging Face checkpoint the model came from (model.from_hf=`from_hf`, when it has one);
+    None for a model of bytes."""
+    if is_token_folder(source):
+        return Path(source)
+    if from_hf and (Path(from_hf) / TOKENIZER).is_file():
+        return Path(from_hf)
+    return None
 
-    def __init__(self, tokenizer_file: Path | None = None):
+
+def tokenizer_json(path: str | Path) -> Path:
+    """The tokenizer.json that `path` names: the file itself, or the one inside a folder (a Hugging
+    Face checkpoint, a tokenized folder); raises DataError when there is none."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / TOKENIZER).is_file():
+            raise DataError(f"the folder '{path}' holds no {TOKENIZER}.")
+        return path / TOKENIZER
+    if not path.is_file():
+        raise DataError(f"--tokenizer '{path}' is neither a {TOKENIZER} file nor a folder holding one.")
+    return path
+
+
+def tokenizer_vocab(path: Path) -> int:
+    """The ids a tokenizer.json can produce: one more than its largest id, added tokens included."""
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        vocab = spec["model"]["vocab"]
+        ids = list(vocab.values()) if isinstance(vocab, dict) else range(len(vocab))
+        added = [t["id"] for t in spec.get("added_tokens") or []]
+        return max([*ids, *added], default=-1) + 1
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise DataError(f"{path} is not a tokenizer.json the tokenizers library wrote.") from None
+
+
+class TextCodec:
+    """Text <-> token ids for prompts and samples: bytes (UTF-8) for text sources, else a tokenizer
+    (a tokenizer.json, or a folder holding one). Encoding adds the tokenizer's own special tokens (a
+    checkpoint's BOS), as its model saw at the start of every sequence."""
+
+    def __init__(self, tokenizer: Path | None = None):
         self._tokenizer = None
-        if tokenizer_file is not None:
+        if tokenizer is not None:
             from tokenizers import Tokenizer
 
-            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            self._tokenizer = Tokenizer.from_file(str(tokenizer_json(tokenizer)))
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8")) if self._tokenizer is None else self._tokenizer.encode(text).ids

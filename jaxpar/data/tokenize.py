@@ -1,5 +1,6 @@
 """`jaxpar tokenize`: train a byte-level BPE tokenizer on text files (the `tokenizers` library,
-offline) or apply an existing one, and write a tokenized folder (jaxpar.data.token_folder).
+offline) or apply an existing one (a tokenizer.json, or a folder holding one: a Hugging Face
+checkpoint or another tokenized folder), and write a tokenized folder (jaxpar.data.token_folder).
 
 The folder is written under a temporary name and renamed when complete, so an interrupted run
 leaves nothing half-written. Byte-level BPE is lossless: decoding the ids gives the text back.
@@ -9,17 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from jaxpar.data.corpus import DataError
-from jaxpar.data.token_folder import FORMAT, META, TOKENIZER, token_dtype
+from jaxpar.data.token_folder import COMPANION_FILES, FORMAT, META, TOKENIZER, token_dtype, tokenizer_json
+from jaxpar.folders import is_free, new_folder
 
 CHUNK_BYTES = 1 << 22  # text encoded per batch
 SHARD_TOKENS = 1 << 24  # tokens per shard file (32 MiB of uint16)
@@ -35,10 +35,9 @@ def check_tokenize_args(inputs: list[str], vocab_size: int | None, out: str, tok
         if vocab_size is None or not MIN_VOCAB <= vocab_size <= 2 ** 32:
             raise DataError(f"--vocab-size must be between {MIN_VOCAB} (the 256 bytes and one merge) and 2**32, "
                             f"got {vocab_size}; or give --tokenizer FILE to apply an existing tokenizer.")
-    elif not Path(tokenizer).is_file():
-        raise DataError(f"--tokenizer '{tokenizer}' is not a file.")
-    target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+    else:
+        tokenizer_json(tokenizer)
+    if not is_free(Path(out)):
         raise DataError(f"--out '{out}' exists and is not an empty folder; choose a new one.")
 
 
@@ -71,17 +70,15 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
     from tokenizers import Tokenizer
 
     check_tokenize_args(inputs, vocab_size, out, tokenizer_file)
+    tokenizer_file = str(tokenizer_json(tokenizer_file)) if tokenizer_file else None
     tokenizer = Tokenizer.from_file(tokenizer_file) if tokenizer_file else _train(inputs, vocab_size, progress)
     vocab = tokenizer.get_vocab_size()
     dtype = token_dtype(vocab)
-    target = Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    work.chmod(0o777 & ~umask)  # mkdtemp's folder is private; the result is an ordinary folder
-    try:
+    with new_folder(Path(out)) as work:
         tokenizer.save(str(work / TOKENIZER))
+        for companion in COMPANION_FILES:  # a checkpoint's tokenizer settings travel with it, for export
+            if tokenizer_file and (Path(tokenizer_file).parent / companion).is_file():
+                shutil.copyfile(Path(tokenizer_file).parent / companion, work / companion)
         digest, shards, buffer, total = hashlib.sha256(), [], [], 0
 
         def flush(final: bool) -> None:
@@ -102,7 +99,9 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
                     data = text.encode("utf-8")
                     digest.update(data)
                     lines = text.splitlines(keepends=True)
-                    ids = np.fromiter((i for e in tokenizer.encode_batch(lines) for i in e.ids), np.int64)
+                    # no special tokens: a checkpoint's tokenizer would open every line with its BOS
+                    encoded = tokenizer.encode_batch(lines, add_special_tokens=False)
+                    ids = np.fromiter((i for e in encoded for i in e.ids), np.int64)
                     buffer.append(ids)
                     total += len(ids)
                     flush(final=False)
@@ -111,10 +110,4 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
         meta = {"format": FORMAT, "vocab_size": vocab, "dtype": dtype, "tokens": total, "shards": shards,
                 "inputs": [str(p) for p in inputs], "inputs_sha256": digest.hexdigest(), "tokenizer": TOKENIZER}
         (work / META).write_text(json.dumps(meta, indent=2) + "\n")
-        if target.exists():
-            target.rmdir()  # empty (checked above)
-        os.replace(work, target)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     return meta

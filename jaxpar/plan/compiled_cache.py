@@ -73,7 +73,7 @@ def measure(layout: Config, devices: list, budget: float) -> tuple[dict, bool]:
     from jaxpar.train.trainer import Trainer
 
     trainer = Trainer(on_devices(layout, devices))
-    state = jax.eval_shape(trainer.init)
+    state = trainer.abstract_state()
     state_bytes = (shard_bytes(state.params, trainer.state_shardings.params)
                    + shard_bytes(state.opt_state, trainer.state_shardings.opt_state))
     if state_bytes > budget:

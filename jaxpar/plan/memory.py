@@ -54,7 +54,7 @@ def measure_step(trainer) -> dict:
     stats = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    state = jax.eval_shape(trainer.init)
+    state = trainer.abstract_state()
     shardings = trainer.state_shardings
     grad_shardings = trainer.layout.named(trainer.layout.grad_specs(state.params))
     module = parse(compiled.as_text())

@@ -72,7 +72,7 @@ def flat_by_path(tree) -> dict[str, object]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _nest(flat: dict[str, object]) -> dict:
+def nest_by_path(flat: dict[str, object]) -> dict:
     """Turn {'a/b/c': x} into {'a': {'b': {'c': x}}}, the plain dict tree Orbax saves."""
     out: dict = {}
     for key, leaf in flat.items():
@@ -99,11 +99,11 @@ def state_spec(state) -> dict[str, list]:
 def _must_match(config: dict) -> list[str]:
     """Config keys that fix a checkpoint's contents (array shapes, optimizer state) or its data order.
 
-    The routing settings of a mixture of experts (group size, capacity, loss weights) change
-    no array, and the automatic group size follows the tokens per device, so they may change
+    Where the weights first came from (model.from_hf) may move; the shape it gave must match. The
+    routing settings of a mixture of experts (group size, capacity, loss weights) change no array, and the automatic group size follows the tokens per device, so they may change
     with the layout on resume; whether there are experts, how many and where, and the router
     (top-k alone has a noise weight) must match."""
-    model = [f"model.{key}" for key in config["model"] if key != "moe"]
+    model = [f"model.{key}" for key in config["model"] if key not in ("moe", "from_hf")]
     return model + ["model.moe.experts", "model.moe.every", "model.moe.router", "train.optimizer", "train.seed"]
 
 
@@ -133,7 +133,7 @@ def check_compatible(meta: dict, cfg: Config, abstract_state, where: str) -> Non
                                  f"there and {expected.get(key)} here); use another run.dir.")
 
 
-def _brief(error: BaseException) -> str:
+def brief_error(error: BaseException) -> str:
     """The root cause of a read error on one line, short enough for a one-sentence report."""
     while error.__cause__ is not None:  # Orbax wraps TensorStore's precise message
         error = error.__cause__
@@ -234,7 +234,7 @@ class Checkpoints:
         meta = {"step": step, "seed": cfg.train.seed, "config": cfg.to_dict(),
                 "spec": state_spec(canonical)}
         self._open().save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_nest(flat_by_path(canonical))), meta=ocp.args.JsonSave(meta)))
+            state=ocp.args.StandardSave(nest_by_path(flat_by_path(canonical))), meta=ocp.args.JsonSave(meta)))
         self.last_step = step
 
     def restore_latest(self, trainer, warn: Callable[[str], None]) -> Restored | None:
@@ -246,7 +246,7 @@ class Checkpoints:
         compiled or moved when the newest readable checkpoint does not fit the config, and
         RestoreFailed, moving nothing, when a restore fails for another reason.
         """
-        abstract = jax.eval_shape(trainer.init)
+        abstract = trainer.abstract_state()
         damaged: list[tuple[int, str]] = []
         restored = None
         for step in reversed(self.steps()):
@@ -275,7 +275,7 @@ class Checkpoints:
         except (_Damaged, CheckpointMismatch, RestoreFailed):
             raise
         except Exception as e:  # noqa: BLE001 - not damage (a bug, out of memory, a sharding error): end the run
-            raise RestoreFailed(self._not_damage(step, f"{type(e).__name__}: {_brief(e)}")) from e
+            raise RestoreFailed(self._not_damage(step, f"{type(e).__name__}: {brief_error(e)}")) from e
 
     def _read(self, step: int, **items):
         """Orbax's restore of `items` of `step` on every process. Raises _Damaged when some process found
@@ -283,7 +283,7 @@ class Checkpoints:
         try:
             restored, outcome = self._open().restore(step, args=ocp.args.Composite(**items)), ("ok", "", "")
         except Exception as e:  # noqa: BLE001 - sorted into damage or not here, and raised again by _settle
-            restored, outcome = None, ("damaged" if is_damage(e) else "failed", type(e).__name__, _brief(e))
+            restored, outcome = None, ("damaged" if is_damage(e) else "failed", type(e).__name__, brief_error(e))
             _rejoin_restore_barrier()
         self._settle(step, [json.loads(o) for o in distributed.share(json.dumps(outcome))])
         return restored
@@ -326,7 +326,8 @@ class Checkpoints:
             return jax.ShapeDtypeStruct(wanted[like].shape, wanted[like].dtype, sharding=shardings[like])
 
         # Orbax restores the saved tree whole, so saved stale weights are read even when they are dropped.
-        tree = self._read(step, state=ocp.args.StandardRestore(_nest({key: target(key) for key in meta["spec"]}))).state
+        targets = nest_by_path({key: target(key) for key in meta["spec"]})
+        tree = self._read(step, state=ocp.args.StandardRestore(targets)).state
         arrays = _unnest(tree)
         for key in wanted.keys() - arrays.keys():
             # Only 2BW's stale weights can be missing (see check_compatible): they start as a copy of the weights.

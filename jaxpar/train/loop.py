@@ -16,11 +16,12 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxpar.data.token_folder import is_token_folder
 from jaxpar.distributed import StopAgreement, is_secondary
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.report import append_jsonl, plot_loss, read_jsonl, write_json_atomic, write_jsonl_atomic
-from jaxpar.train.sample import greedy_sample
+from jaxpar.train.sample import sample_text
 from jaxpar.train.tensorboard import TensorBoardWriter
 from jaxpar.train.trainer import Trainer
 
@@ -164,6 +165,9 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
         split = session.process_split
         processes = f", {jax.process_count()} processes over " + " x ".join(
             f"{axis}={n}" for axis, n in split.items() if n > 1)
+    if cfg.model.from_hf and not is_token_folder(cfg.data.source):
+        _warn(f"data.source={cfg.data.source} is read as bytes, but model.from_hf's token ids are its tokenizer's; "
+              f"tokenize the text first: jaxpar tokenize --input FILE --tokenizer {cfg.model.from_hf} --out DIR.")
     _say(f"jaxpar: training {cfg.model.n_layers}-layer d={cfg.model.d_model} model on {session.mesh_name()} "
          f"({len(session.devices)} {session.devices[0].platform} devices{processes}), {t.steps} steps")
 
@@ -263,8 +267,8 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
              "not causal and cannot generate one token at a time.")
     else:
         # Every process takes part (the weights span them all); the prompt is replicated on the mesh.
-        sample = greedy_sample(trainer.graphdef, params, SAMPLE_PROMPT, cfg.train.sample_tokens, cfg.model.seq_len,
-                               trainer.replicated, session.codec)
+        sample = sample_text(trainer.graphdef, params, cfg.model, SAMPLE_PROMPT, cfg.train.sample_tokens,
+                             session.codec, trainer.replicated)
     every_step = history + records
     # The first step of a process includes compilation, so the median leaves it out.
     # Steps that also measured the validation loss took longer, so they are left out too.

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.config import ConfigError
 from jaxpar.session import Session
 from jaxpar.model import Transformer, is_block_model
 from jaxpar.train import local_sgd
@@ -39,11 +40,15 @@ class Trainer:
         # logical axis names join the rules table through `rules`. Both are kept as given, for a
         # reference trainer of the same model on another config.
         self.model, self.rules = model, rules
+        if model is not None and cfg.model.from_hf:
+            raise ConfigError("model.from_hf loads a checkpoint into jaxpar's Transformer; a module of your own "
+                              "(model=...) cannot take it.")
         self._build = model or (lambda rngs: Transformer(cfg.model, rngs=rngs))
         abstract_model = nnx.eval_shape(lambda: self._build(nnx.Rngs(cfg.train.seed)))
         block_model = is_block_model(abstract_model)
         check_model_fits(block_model, type(abstract_model).__name__, cfg, session.mesh_sizes)
         self.graphdef, abstract_params = nnx.split(abstract_model)
+        self.session = session
         stacked_at = abstract_model.STACKED_AT if block_model else ()
         rules = {**layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence),
                  **(rules or {})}
@@ -53,6 +58,8 @@ class Trainer:
         self.pipeline = PipelinePlan.build(cfg.parallel.pipeline, self.layout.sizes["stage"],
                                            abstract_model.stacked_layers() if stacked_at else 0)
         self.optimizer = Optimizer.build(cfg.train, abstract_params)
+        # where imported weights are placed: the synchronous layout, in model order
+        self.param_shardings = self.layout.named(self.layout.param_specs(abstract_params))
         abstract_opt = jax.eval_shape(self.optimizer.tx.init, abstract_params)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # local SGD: each replica's state is laid out by the rules inside one replica, on a leading
@@ -84,23 +91,40 @@ class Trainer:
                                  out_shardings=self.replicated)
 
     def init(self) -> TrainState:
-        """Create the initial state directly in its sharded layout."""
-        return self._create()
+        """Create the initial state directly in its sharded layout: from model.from_hf's weights (each
+        device reading its own slices), else freshly initialized."""
+        if self.session.hf_checkpoint is None:
+            return self._create_fresh()
+        from jaxpar.interop.hf_weights import load_params
+
+        params, _ = load_params(self.session.hf_checkpoint, self.cfg.model, self.param_shardings)
+        return self._create_from(params)
+
+    def abstract_state(self) -> TrainState:
+        """The shapes, dtypes and shardings of the state `init` creates, without creating it."""
+        return jax.eval_shape(self._create_fresh)
+
+    def _state_from(self, params) -> TrainState:
+        """The initial state around `params` (model order): optimizer and loss-scale state, 2BW's
+        stale copy, and under local SGD one replica per data-parallel rank."""
+        cfg = self.cfg
+        params = self.pipeline.from_model_order(params)
+        state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.tx.init(params),
+                           LossScale.initial(cfg.train.precision), params if self.pipeline.stale_weights else None)
+        if not self.replicas:
+            return state
+        outer = local_sgd.OuterState.initial(params) if cfg.parallel.outer == "nesterov" else None
+        return dataclasses.replace(local_sgd.stacked(state, self.replicas), outer=outer)
 
     @functools.cached_property
-    def _create(self):
-        cfg = self.cfg
+    def _create_fresh(self):
+        seed = self.cfg.train.seed
+        return jax.jit(lambda: self._state_from(nnx.state(self._build(nnx.Rngs(seed)))),
+                       out_shardings=self.state_shardings)
 
-        def create():
-            params = self.pipeline.from_model_order(nnx.state(self._build(nnx.Rngs(cfg.train.seed))))
-            state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.tx.init(params),
-                               LossScale.initial(cfg.train.precision), params if self.pipeline.stale_weights else None)
-            if not self.replicas:
-                return state
-            outer = local_sgd.OuterState.initial(params) if cfg.parallel.outer == "nesterov" else None
-            return dataclasses.replace(local_sgd.stacked(state, self.replicas), outer=outer)
-
-        return jax.jit(create, out_shardings=self.state_shardings)
+    @functools.cached_property
+    def _create_from(self):
+        return jax.jit(self._state_from, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings)
 
     def weights(self, params):
         """The one set of weights a model runs with (evaluation, samples): the stored parameters,
@@ -150,4 +174,4 @@ class Trainer:
 
     def compile_step(self, compiler_options: dict | None = None):
         """Lower and compile the train step without running it (for plans and HLO checks)."""
-        return self.step.lower(jax.eval_shape(self.init), self.abstract_batch()).compile(compiler_options)
+        return self.step.lower(self.abstract_state(), self.abstract_batch()).compile(compiler_options)

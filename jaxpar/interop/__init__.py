@@ -1,0 +1,1 @@
+"""Other formats in and out: Hugging Face checkpoints (`jaxpar.interop.hf`)."""

@@ -1,0 +1,195 @@
+"""Hugging Face `config.json` <-> jaxpar's `model.*` keys, for the Llama, Mistral, Qwen 2/2.5 and Qwen 3
+families. Pure Python (no jax): the CLI resolves `model.from_hf` while it reads the config.
+
+Reading: each supported field becomes a `model.*` value; a field jaxpar cannot honour (an output
+bias, a non-SiLU activation, an unknown RoPE type, sliding-window attention shorter than the
+training sequence) is refused in one sentence. RoPE settings are read in both spellings:
+`rope_theta` with `rope_scaling` (the published checkpoints) and `rope_parameters` (written by
+transformers 5). A field that is missing takes the family's default in transformers.
+
+Writing (`hf_config`): the source checkpoint's own config.json when the model came from one (its
+token ids and other fields kept), else a new one in the published spelling.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxpar.config import Config, ConfigError, ModelConfig, apply_overrides, flatten_dict
+from jaxpar.errors import UserError
+
+CONFIG_FILE = "config.json"
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+# Mistral's architecture is Llama's (its sliding window aside): a model from a Mistral checkpoint exports as one
+SAME_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+class CheckpointError(UserError):
+    """A Hugging Face checkpoint folder that jaxpar cannot read or cannot represent."""
+
+
+def read_config(folder: str | Path) -> dict:
+    """DIR/config.json as a dict; raises CheckpointError (one sentence) when it is missing or not JSON."""
+    path = Path(folder) / CONFIG_FILE
+    if not Path(folder).is_dir():
+        raise CheckpointError(f"model.from_hf={str(folder)!r} is not a folder.")
+    if not path.is_file():
+        raise CheckpointError(f"model.from_hf={str(folder)!r} has no {CONFIG_FILE}; give the folder of a Hugging Face "
+                              f"checkpoint (config.json and *.safetensors).")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} cannot be read as JSON ({type(e).__name__}).") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object.")
+    return hf
+
+
+def _rope(hf: dict, where: Path) -> dict[str, object]:
+    """The model.rope_* keys from either spelling of the RoPE settings."""
+    parameters = hf.get("rope_parameters")
+    if isinstance(parameters, dict) and "rope_theta" in parameters:  # transformers 5 (one dict per model)
+        scaling, theta = parameters, parameters["rope_theta"]
+    else:  # the published spelling: rope_theta, and rope_scaling (null for none)
+        scaling, theta = hf.get("rope_scaling") or {}, hf.get("rope_theta", 10000.0)
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(f"{where} uses rope scaling of type {kind!r}; jaxpar supports "
+                              f"{', '.join(ROPE_TYPES)}.")
+    fields = {"linear": {"factor": "rope_factor"},
+              "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                         "high_freq_factor": "rope_high_freq_factor",
+                         "original_max_position_embeddings": "rope_original_context"}}.get(kind, {})
+    try:
+        keys: dict[str, object] = {"model.rope_theta": float(theta), "model.rope_scaling": ROPE_TYPES[kind]}
+        for field, key in fields.items():
+            keys[f"model.{key}"] = int(scaling[field]) if key == "rope_original_context" else float(scaling[field])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{where}'s {kind} rope settings need a numeric rope_theta and "
+                              f"{', '.join(fields) or 'nothing else'}.") from None
+    return keys
+
+
+def model_settings(hf: dict, where: Path) -> dict[str, object]:
+    """The `model.*` values a Hugging Face config gives; raises CheckpointError for what jaxpar cannot
+    represent."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise CheckpointError(f"{where} has model_type {family!r}; jaxpar imports {', '.join(FAMILIES)}.")
+    missing = [k for k in REQUIRED if not isinstance(hf.get(k), int)]
+    if missing:
+        raise CheckpointError(f"{where} lacks {', '.join(missing)} (integers every {family} config has).")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise CheckpointError(f"{where} uses hidden_act {hf['hidden_act']!r}; jaxpar's SwiGLU MLP needs silu.")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"{where} has mlp_bias=true; jaxpar's MLP has no biases.")
+    if family != "qwen2" and hf.get("attention_bias"):
+        raise CheckpointError(f"{where} has attention_bias=true, which includes an output-projection bias that "
+                              f"jaxpar's attention does not have.")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or (128 if family == "qwen3" else hf["hidden_size"] // heads)
+    keys = {
+        "model.vocab_size": hf["vocab_size"], "model.d_model": hf["hidden_size"], "model.d_ff": hf["intermediate_size"],
+        "model.n_layers": hf["num_hidden_layers"], "model.n_heads": heads,
+        "model.n_kv_heads": hf.get("num_key_value_heads") or heads,
+        "model.head_dim": head_dim if head_dim * heads != hf["hidden_size"] else 0,
+        "model.positions": "rope", "model.mlp": "swiglu", "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "model.qkv_bias": family == "qwen2", "model.qk_norm": family == "qwen3", "model.moe.experts": 0,
+        **_rope(hf, where),
+    }
+    return keys
+
+
+def sliding_window(hf: dict) -> int | None:
+    """The attention window the checkpoint's layers use, or None for full causal attention."""
+    if hf.get("model_type") == "mistral":
+        return hf.get("sliding_window", 4096)
+    types = hf.get("layer_types") or []
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in types):
+        return hf.get("sliding_window") or 0
+    return None
+
+
+def resolve(cfg: Config, given: set[str] = frozenset()) -> Config:
+    """The config with the shape of `model.from_hf`'s config.json filled in (unchanged without one).
+
+    A `model.*` key that differs from the checkpoint's is a contradiction, raised as one sentence,
+    when it was given (`given`: the dotted keys a preset or the command line set) or when it is not
+    the default. Idempotent: a resolved config resolves to itself."""
+    folder = cfg.model.from_hf
+    if not folder:
+        return cfg
+    where = Path(folder) / CONFIG_FILE
+    hf = read_config(folder)
+    wanted = model_settings(hf, where)
+    now, defaults = flatten_dict(cfg.to_dict()), flatten_dict(Config().to_dict())
+    clash = [k for k, v in wanted.items() if now[k] != v and (k in given or now[k] != defaults[k])]
+    if clash:
+        given = ", ".join(f"{k}={now[k]}" for k in clash)
+        theirs = ", ".join(f"{k}={wanted[k]}" for k in clash)
+        raise ConfigError(f"the config sets {given}, but model.from_hf={folder!r} has {theirs}; drop "
+                          f"{'that key' if len(clash) == 1 else 'those keys'}, since the checkpoint's config.json "
+                          f"fixes the model's shape.")
+    cfg = apply_overrides(cfg, wanted)
+    window = sliding_window(hf)
+    if window is not None and cfg.model.seq_len > window:
+        raise ConfigError(f"model.from_hf={folder!r} uses sliding-window attention over {window} positions, "
+                          f"which jaxpar does not implement; train with model.seq_len <= {window}, where it "
+                          f"equals full causal attention.")
+    return cfg
+
+
+def family_of(m: ModelConfig) -> str:
+    """The Hugging Face family a jaxpar model exports as; raises CheckpointError for one none of them
+    can hold."""
+    unsupported = {"model.mlp=gelu": m.mlp != "swiglu", "model.positions=learned": m.positions != "rope",
+                   "model.moe.experts > 0": m.moe.experts > 0,
+                   "model.qkv_bias with model.qk_norm": m.qkv_bias and m.qk_norm}
+    asked = [key for key, on in unsupported.items() if on]
+    if asked:
+        raise CheckpointError(f"a model with {' and '.join(asked)} has no Hugging Face family to export to "
+                              f"({', '.join(FAMILIES)} are SwiGLU, rotary, dense models).")
+    return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+
+
+def hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict:
+    """The config.json of an export: the source checkpoint's, with the dtype of the written weights,
+    or a new one for the model's family."""
+    family = family_of(m)
+    if source is not None and SAME_ARCHITECTURE.get(source.get("model_type")) == family:
+        out = dict(source)
+    else:
+        rope: dict[str, object] = {"rope_type": {v: k for k, v in ROPE_TYPES.items()}[m.rope_scaling]}
+        if m.rope_scaling != "none":
+            rope["factor"] = m.rope_factor
+        if m.rope_scaling == "llama3":
+            rope.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
+                        original_max_position_embeddings=m.rope_original_context)
+        out = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": m.vocab_size,
+               "hidden_size": m.d_model, "intermediate_size": m.d_ff, "num_hidden_layers": m.n_layers,
+               "num_attention_heads": m.n_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_size,
+               "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
+               "rope_scaling": rope if m.rope_scaling != "none" else None,
+               "tie_word_embeddings": m.tie_embeddings, "max_position_embeddings": max(m.seq_len, 2048),
+               "attention_bias": False, "mlp_bias": False}
+        if family == "qwen2":
+            out.pop("attention_bias")
+    out.pop("dtype", None)
+    out["torch_dtype"] = dtype
+    return out
+
+
+def settings_of(folder: str | Path) -> dict[str, object]:
+    """`model.*` values of a checkpoint folder (for the Python API, which builds its own config)."""
+    return model_settings(read_config(folder), Path(folder) / CONFIG_FILE)
+
+
+def config_for(folder: str | Path, **overrides) -> Config:
+    """A Config for the checkpoint in `folder` (its shape resolved), with dotted overrides."""
+    return resolve(apply_overrides(Config(), {"model.from_hf": str(folder), **overrides}))
