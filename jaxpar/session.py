@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 
 from jaxpar.config import Config
 from jaxpar.data import BatchSampler, load_tokens, split_tokens

@@ -62,7 +62,7 @@ LAYOUTS = {
     "data=4 x tensor=2": ["mesh.data=4", "mesh.tensor=2"],
     "tensor=8": ["mesh.data=1", "mesh.tensor=8", "model.vocab_multiple=8"],  # qwen2's 300 rows are padded
     "data=2 x stage=4": ["mesh.data=2", "mesh.stage=4"],
-    "ZeRO-3 on data=8": ["mesh.data=8", "parallel.zero=3"],
+    "ZeRO-3 on data=4 x expert=2": ["mesh.data=4", "mesh.expert=2", "parallel.zero=3"],
 }
 
 

@@ -66,7 +66,6 @@ def measure(layout: Config, devices: list, budget: float) -> tuple[dict, bool]:
     entry = load(path)
     if entry is not None and (not entry.get("state_only") or entry["bytes_per_device"] > budget):
         return entry, True
-    import jax
 
     from jaxpar.plan.memory import shard_bytes, measure_step
     from jaxpar.session import on_devices
