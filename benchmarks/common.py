@@ -48,7 +48,7 @@ def parse_steps(parser: argparse.ArgumentParser) -> argparse.Namespace:
 def load_settings(settings: list[str]):
     """jaxpar's config from the optional CONFIG.yaml among `settings` (a word ending in .yaml or
     .yml, without '='), then the other words as key=value overrides."""
-    from jaxpar.config import load_config
+    from jaxpar.presets import load_config
 
     yaml = [a for a in settings if a.endswith((".yaml", ".yml")) and "=" not in a]
     return load_config(yaml[0] if yaml else None, [a for a in settings if a not in yaml])

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, device_line, markdown, pyplot, save_figure, trainer_on
-from jaxpar.config import load_config
+from jaxpar.presets import load_config
 from jaxpar.runtime import setup_devices
 
 MODEL_A = ["model.d_model=256", "model.n_layers=11", "model.n_heads=8", "model.d_ff=1024", "mesh.data=8"]

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from common import (RESULTS, host_batches, markdown, parse_steps, pyplot, run_line, save_figure, step_parser,
                     time_trainer, trainer_on)
-from jaxpar.config import load_config
+from jaxpar.presets import load_config
 from jaxpar.runtime import setup_devices
 
 STAGES, DATA, MICROBATCHES = 4, 2, (4, 8, 16, 32)

@@ -40,7 +40,7 @@ DEVICES = setup_devices(CFG)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpar.hardware import profile  # noqa: E402
+from jaxpar.plan.calibrate import profile  # noqa: E402
 from jaxpar.plan.search import search  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -5,7 +5,8 @@ training pieces, for use in your own code as well as through the `jaxpar` CLI.
 Importing jaxpar does not import jax; the submodules below do.
 """
 
-from jaxpar.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig, load_config
+from jaxpar.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig
+from jaxpar.presets import load_config
 from jaxpar.errors import UserError
 
 __version__ = "0.1.0"

@@ -14,7 +14,8 @@ import json
 import os
 import sys
 
-from jaxpar.config import ConfigError, flatten_dict, load_config, parse_override
+from jaxpar.config import ConfigError, flatten_dict
+from jaxpar.presets import load_config, parse_override
 from jaxpar.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, RunFailed, UserError
 
 
@@ -95,7 +96,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     trainer = Trainer(session)
     plan = measure_step(trainer)
     if args.hardware:
-        from jaxpar.hardware import profile
+        from jaxpar.plan.calibrate import profile
         from jaxpar.plan.roofline import predict_layout
 
         table = trainer.pipeline.table  # predicted over the hosts of that hardware, not those of this run
@@ -112,7 +113,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_search(args: argparse.Namespace) -> int:
     from jaxpar import distributed
-    from jaxpar.plan.search import MESH_KEYS, SEARCHED_KEYS
+    from jaxpar.switches import MESH_KEYS, SEARCHED_KEYS
 
     if distributed.from_environment() is not None:
         raise ConfigError("plan --search compiles every layout in one process; run it outside jaxpar launch.")
@@ -131,7 +132,8 @@ def _plan_search(args: argparse.Namespace) -> int:
 
     devices = setup_devices(cfg)
     from jaxpar.plan import search_report
-    from jaxpar.hardware import PROFILES, for_device_kind, profile
+    from jaxpar.hardware import PROFILES, for_device_kind
+    from jaxpar.plan.calibrate import profile
     from jaxpar.plan.model_flops import flops_per_token
     from jaxpar.plan.search import search
 
@@ -229,21 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add_command(sub, "train", cmd_train, "train a model and write metrics, summary, plot and a sample",
                      reads_config=True)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p = _add_command(sub, "plan", cmd_plan, "compile the step and report per-device memory, FLOPs and collectives; "
-                                            "--search ranks every layout by predicted step time", reads_config=True)
-    from jaxpar.hardware import PROFILES
-
-    p.add_argument("--search", action="store_true",
-                   help="compile every valid layout of the model on these devices and rank them by predicted step "
-                        "time within the memory budget")
-    p.add_argument("--hardware", choices=PROFILES,
-                   help="the hardware profile of the roofline (default: the devices' own; cpu is measured here "
-                        "once and cached); without --search, adds the predicted step time to the plan")
-    p.add_argument("--memory-gb", type=float, help="memory budget per device in GB (default: the profile's memory)")
-    p.add_argument("--top", type=int, help=f"rows of the ranked table (default {DEFAULT_TOP})")
-    p.add_argument("--processes", type=int, default=0,
-                   help=f"processes compiling layouts at once (default 0: one per core, at most {MAX_SEARCH_PROCESSES})")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --search")
+    _add_plan(sub)
     p = _add_command(sub, "schedule", cmd_schedule, "draw a pipeline schedule and print its idle fraction")
     p.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved or 2bw")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
@@ -260,6 +248,41 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder) instead of training one")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_open_weights(sub)
+    p = _add_command(sub, "launch", cmd_launch, "run a jaxpar command as N local processes of one distributed run",
+                     usage=f"jaxpar launch --processes N [--devices-per-process K] -- "
+                           f"{'|'.join(LAUNCHABLE_COMMANDS)} ...")
+    p.add_argument("--processes", type=int, required=True, help="number of processes N")
+    p.add_argument("--devices-per-process", type=int, help="devices per process K (emulated CPU devices, or GPUs)")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                   help=f"seconds the others get to stop by themselves after one process fails "
+                        f"(default {DEFAULT_GRACE_S:g})")
+    p.add_argument("--verbose", action="store_true", help="also show the JAX runtime's own log lines")
+    p.add_argument("command_args", nargs=argparse.REMAINDER, help="-- then the jaxpar command and its settings")
+    return parser
+
+
+def _add_plan(sub) -> None:
+    """`jaxpar plan` and its search."""
+    from jaxpar.hardware import PROFILES
+
+    p = _add_command(sub, "plan", cmd_plan, "compile the step and report per-device memory, FLOPs and collectives; "
+                                            "--search ranks every layout by predicted step time", reads_config=True)
+    p.add_argument("--search", action="store_true",
+                   help="compile every valid layout of the model on these devices and rank them by predicted step "
+                        "time within the memory budget")
+    p.add_argument("--hardware", choices=PROFILES,
+                   help="the hardware profile of the roofline (default: the devices' own; cpu is measured here "
+                        "once and cached); without --search, adds the predicted step time to the plan")
+    p.add_argument("--memory-gb", type=float, help="memory budget per device in GB (default: the profile's memory)")
+    p.add_argument("--top", type=int, help=f"rows of the ranked table (default {DEFAULT_TOP})")
+    p.add_argument("--processes", type=int, default=0,
+                   help=f"processes compiling layouts at once (default 0: one per core, at most {MAX_SEARCH_PROCESSES})")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --search")
+
+
+def _add_open_weights(sub) -> None:
+    """`jaxpar export-hf` and `jaxpar generate`."""
     p = _add_command(sub, "export-hf", cmd_export_hf, "write a run's checkpoint as a Hugging Face checkpoint "
                                                       "(config.json, safetensors, tokenizer)")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (run.dir)")
@@ -277,17 +300,6 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "softmax(logits / temperature)")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed")
     p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
-    p = _add_command(sub, "launch", cmd_launch, "run a jaxpar command as N local processes of one distributed run",
-                     usage=f"jaxpar launch --processes N [--devices-per-process K] -- "
-                           f"{'|'.join(LAUNCHABLE_COMMANDS)} ...")
-    p.add_argument("--processes", type=int, required=True, help="number of processes N")
-    p.add_argument("--devices-per-process", type=int, help="devices per process K (emulated CPU devices, or GPUs)")
-    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
-                   help=f"seconds the others get to stop by themselves after one process fails "
-                        f"(default {DEFAULT_GRACE_S:g})")
-    p.add_argument("--verbose", action="store_true", help="also show the JAX runtime's own log lines")
-    p.add_argument("command_args", nargs=argparse.REMAINDER, help="-- then the jaxpar command and its settings")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,11 +18,7 @@ from typing import Literal, Union
 
 import yaml
 
-from jaxpar.errors import UserError
-
-
-class ConfigError(UserError):
-    """A config key, value or combination that cannot work."""
+from jaxpar.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +131,7 @@ class TrainConfig:
     eval_every: int = 0  # validation loss every N steps as well (a `val_loss` in that step's metrics line); 0: at the end only
     sample_tokens: int = 160  # greedy sample at the end of a run; 0 writes none
     optimizer: Literal["adamw", "adafactor"] = "adamw"
-    remat: Literal["none", "full", "dots", "sqrt"] = "none"
+    remat: Literal["none", "dots", "full", "sqrt"] = "none"  # in the order of what each recomputes
     loss_scale_window: int = 2000
     lr_schedule_steps: int = 0  # horizon of the warmup+cosine schedule; 0 means train.steps
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -166,7 +162,7 @@ class PipelineConfig:
 class ParallelConfig:
     """How work and state are partitioned beyond plain data/tensor parallelism."""
 
-    zero: int = 0
+    zero: Literal[0, 1, 2, 3] = 0  # ZeRO stage over the data-parallel devices (jaxpar.switches.ZeroStage)
     # Megatron sequence parallelism: between blocks the residual stream is split over mesh.tensor along
     # the sequence (all-gathered before the column-parallel matmuls, reduce-scattered after the row-parallel ones)
     sequence: bool = False
@@ -276,10 +272,10 @@ def all_keys() -> list[str]:
 def _unknown_key(key: str) -> ConfigError:
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else f"; known sections are {', '.join(_fields(Config))}."
-    return ConfigError(f"unknown config key {_quoted(key)}{hint}")
+    return ConfigError(f"unknown config key {quoted(key)}{hint}")
 
 
-def _quoted(text) -> str:
+def quoted(text) -> str:
     """A user's text in quotes for a one-line message: 'like this', with newlines and other control
     characters escaped."""
     return repr(str(text))
@@ -290,7 +286,7 @@ def _coerce(key: str, value, typ):
     origin = typing.get_origin(typ)
     if origin is Literal:
         choices = typing.get_args(typ)
-        if value not in choices:
+        if value not in choices or not any(type(value) is type(c) for c in choices):  # 1.0 and True are not 1
             raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, got {value!r}.")
         return value
     if origin is Union:
@@ -372,56 +368,3 @@ def apply_overrides(cfg: Config, overrides: dict) -> Config:
 
 def _is_str_literal(typ) -> bool:
     return typing.get_origin(typ) is Literal and all(isinstance(a, str) for a in typing.get_args(typ))
-
-
-def _read_yaml(path: Path, seen: tuple = ()) -> dict:
-    """Read a preset, following 'extends: other.yaml' (relative to the preset's folder)."""
-    if not path.is_file():
-        raise ConfigError(f"config file {_quoted(path)} does not exist.")
-    if path.resolve() in seen:
-        raise ConfigError(f"config file {_quoted(path)} extends itself in a loop.")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, ValueError, OverflowError) as e:  # ValueError: not UTF-8, or a date like 2020-13-45
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"config file {_quoted(path)} is not valid YAML ({first_line}).") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {_quoted(path)} must hold a mapping of sections.")
-    parent = data.pop("extends", None)
-    if parent is not None and not isinstance(parent, str):
-        raise ConfigError(f"'extends' in {_quoted(path)} must name another preset file, got {parent!r}.")
-    base = _read_yaml(path.parent / parent, seen + (path.resolve(),)) if parent else {}
-    for section, values in data.items():
-        if not isinstance(values, dict):
-            raise ConfigError(f"section {_quoted(section)} in {_quoted(path)} must be a mapping of keys.")
-    return _merge(base, data)
-
-
-def _merge(base: dict, update: dict) -> dict:
-    merged = dict(base)
-    for key, value in update.items():
-        merged[key] = _merge(merged.get(key, {}), value) if isinstance(value, dict) else value
-    return merged
-
-
-def parse_override(arg: str) -> tuple[str, str]:
-    """Split 'train.steps=10' into ('train.steps', '10') with a clear error otherwise."""
-    key, sep, value = arg.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"argument {_quoted(arg)} is neither a .yaml file nor a key=value override.")
-    return key.strip(), value
-
-
-def load_config(path: str | None = None, overrides: list[str] | dict | None = None) -> Config:
-    """Build a Config from defaults, an optional YAML preset and key=value overrides, with the shape of
-    model.from_hf's checkpoint filled in."""
-    cfg, given = Config(), set()
-    if path is not None:
-        preset = _read_yaml(Path(path))
-        cfg, given = apply_overrides(cfg, preset), set(flatten_dict(preset))
-    if overrides:
-        pairs = dict(parse_override(o) for o in overrides) if isinstance(overrides, list) else overrides
-        cfg, given = apply_overrides(cfg, pairs), given | set(flatten_dict(pairs))
-    from jaxpar.interop.hf_config import resolve  # pure Python: jax is still not imported
-
-    return resolve(cfg, given)

@@ -11,6 +11,14 @@ class UserError(Exception):
     """A config or input mistake; the CLI prints its one-sentence message and exits with EXIT_USAGE."""
 
 
+class ConfigError(UserError):
+    """A config key, value or combination that cannot work."""
+
+
+class DataError(UserError):
+    """A data source that is missing, unreadable, or too small for the model."""
+
+
 class RunFailed(Exception):
     """A run that cannot go on for a reason other than a user mistake (a checkpoint that cannot be
     restored although it is not damaged, a coordinator that stops answering); the CLI prints its

@@ -15,7 +15,8 @@ The GPU profiles are documented constants (vendor datasheets; dense figures, no 
   Latencies are per step of a ring (a collective over n devices takes n-1 of them): NCCL's order
   of magnitude, about 5 us over NVLink and 10 us across nodes; they matter only for small messages.
 
-The `cpu` profile is measured on the machine it runs on (`jaxpar.plan.calibrate`) and cached.
+The `cpu` profile is measured on the machine it runs on and cached; `jaxpar.plan.calibrate.profile`
+looks any profile up by name.
 """
 
 from __future__ import annotations
@@ -76,12 +77,3 @@ _KINDS = (("H200", "h200"), ("H100 PCIe", None), ("H100", "h100"), ("A100", "a10
 def for_device_kind(kind: str) -> str | None:
     """The profile of a device_kind such as 'NVIDIA H100 80GB HBM3', or None without one."""
     return next((name for sub, name in _KINDS if sub in kind), None)
-
-
-def profile(name: str, devices: list) -> Hardware:
-    """The profile called `name`; `cpu` is calibrated on `devices` (once, then read from the cache)."""
-    if name == "cpu":
-        from jaxpar.plan.calibrate import cpu_profile
-
-        return cpu_profile(devices)
-    return GPU_PROFILES[name]

@@ -7,11 +7,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from jaxpar import precision
 from jaxpar.config import Config
 from jaxpar.data import BatchSampler, load_tokens, split_tokens
 from jaxpar.data.token_folder import TextCodec, tokenizer_folder
 from jaxpar.interop.hf_config import resolve as resolve_hf
+from jaxpar.precision import PrecisionPolicy
 from jaxpar.runtime import make_mesh, setup_devices
+from jaxpar.switches import layout_name
 from jaxpar.validation import check_attention_platform, validate, with_derived
 
 
@@ -41,32 +44,13 @@ class Session:
         return " ".join(f"{axis}={size}" for axis, size in self.mesh_sizes.items() if size > 1) or "single device"
 
     def layout_name(self) -> str:
-        """The whole layout, such as 'data=4 tensor=2 grad_accum=2 bf16'."""
-        t, parallel = self.cfg.train, self.cfg.parallel
-        parts = [self.mesh_name()]
-        if self.mesh_sizes["stage"] > 1:
-            pipe = parallel.pipeline
-            parts.append(f"{pipe.schedule} M={pipe.microbatches}" + (f" v={pipe.virtual}" if pipe.virtual > 1 else ""))
-        if parallel.zero:
-            parts.append(f"zero={parallel.zero}")
-        if parallel.sequence:
-            parts.append("sequence")
-        if parallel.grad_reduce_dtype != "fp32":
-            parts.append(f"grad_reduce={parallel.grad_reduce_dtype}")
-        if parallel.sync_every > 1:
-            parts.append(f"sync_every={parallel.sync_every} outer={parallel.outer}")
-        if t.offload != "none":
-            parts.append(f"offload={t.offload}")
-        if self.cfg.model.attention != "dot":
-            parts.append(f"attention={self.cfg.model.attention}")
-        if t.grad_accum > 1:
-            parts.append(f"grad_accum={t.grad_accum}")
-        if t.remat != "none":
-            parts.append(f"remat={t.remat}")
-        if t.optimizer != "adamw":
-            parts.append(t.optimizer)
-        parts.append(t.precision)
-        return " ".join(parts)
+        """The whole layout, such as 'data=4 tensor=2 grad_accum=2 bf16' (jaxpar.switches)."""
+        return layout_name(self.cfg, self.mesh_sizes)
+
+    @functools.cached_property
+    def precision(self) -> PrecisionPolicy:
+        """Every dtype decision of the run (jaxpar.precision), resolved once."""
+        return precision.of(self.cfg)
 
     @functools.cached_property
     def hf_checkpoint(self):

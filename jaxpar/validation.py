@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
+from jaxpar import precision
 from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig
+from jaxpar.switches import ZeroStage, not_with_local_sgd
 
 LAUNCHABLE_COMMANDS = ("train", "verify", "plan")
 MAX_SEED = 2 ** 63 - 1  # numpy wants a non-negative seed, jax one that fits in 64 bits
@@ -138,7 +140,7 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     if cfg.train.batch_size % ways:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by mesh.data x mesh.expert x "
                           f"parallel.pipeline.microbatches = {sizes['data']} x {sizes['expert']} x {p.microbatches}.")
-    if cfg.parallel.zero == 2 and v > 1:
+    if ZeroStage(cfg.parallel.zero).slices_replicated_weights and v > 1:
         raise ConfigError("parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3.")
 
 
@@ -168,7 +170,7 @@ def _validate_attention(cfg: Config, sizes: dict[str, int]) -> None:
         for key, block in zip(("flash_block_q", "flash_block_kv"), m.flash_blocks()):
             if m.seq_len % block:
                 raise ConfigError(f"model.{key}={block} does not divide model.seq_len={m.seq_len}.")
-    if m.attention == "cudnn" and cfg.train.precision == "fp32":
+    if m.attention == "cudnn" and not precision.of(cfg).reduced:
         raise ConfigError("model.attention=cudnn needs train.precision=bf16 or fp16 (cuDNN's fused attention "
                           "has no fp32 kernel); use flash or dot for fp32.")
     if cfg.parallel.sequence and tensor > 1 and m.kv_heads % tensor:
@@ -196,11 +198,7 @@ def _validate_offload_and_local_sgd(cfg: Config, sizes: dict[str, int]) -> None:
         return
     if sizes["data"] == 1:
         raise ConfigError(f"parallel.sync_every={p.sync_every} (local SGD) needs data-parallel replicas: mesh.data > 1.")
-    others = {"parallel.zero": p.zero != 0, "mesh.expert": sizes["expert"] > 1, "mesh.stage": sizes["stage"] > 1,
-              "parallel.sequence": p.sequence, "parallel.grad_reduce_dtype": p.grad_reduce_dtype != "fp32",
-              "train.offload": t.offload != "none", "train.grad_accum": t.grad_accum > 1,
-              "model.moe.experts": cfg.model.moe.experts > 0}
-    clash = [key for key, set_ in others.items() if set_]
+    clash = not_with_local_sgd(cfg, sizes) + (["model.moe.experts"] if cfg.model.moe.experts > 0 else [])
     if clash:
         raise ConfigError(f"parallel.sync_every={p.sync_every} (local SGD: whole replicas over mesh.data, tensor "
                           f"parallelism inside each) does not combine with {', '.join(clash)}; leave "
@@ -273,18 +271,7 @@ def with_derived(cfg: Config, sizes: dict[str, int]) -> Config:
     return cfg.replace(**{"model.moe.group_size": size})
 
 
-def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str, int], dict[str, int]]:
-    """Check every cross-field constraint before anything is compiled; return the mesh sizes
-    and how many processes each axis spans (host_split)."""
-    sizes = resolve_mesh(cfg.mesh, n_devices)
-    split = host_split(sizes, cfg.mesh, processes)
-    if not 0 < cfg.run.heartbeat_timeout <= MAX_HEARTBEAT_S:
-        raise ConfigError(f"run.heartbeat_timeout must be positive and at most {MAX_HEARTBEAT_S} seconds, "
-                          f"got {cfg.run.heartbeat_timeout}.")
-    for key, path in (("data.source", cfg.data.source), ("run.dir", cfg.run.dir)):
-        if not path.strip() or not path.isprintable():
-            raise ConfigError(f"{key} must be a non-empty path without control characters, got {path!r}.")
-    m, t = cfg.model, cfg.train
+def _validate_model_shape(m, tensor: int) -> None:
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_multiple"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key} must be positive, got {getattr(m, key)}.")
@@ -296,7 +283,6 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str,
     if m.positions == "rope" and m.head_size % 2:
         raise ConfigError(f"rotary positions need an even head size, but it is {m.head_size} "
                           f"(model.head_dim, or model.d_model / model.n_heads).")
-    tensor = sizes["tensor"]
     for key in ("n_heads", "d_ff"):
         if getattr(m, key) % tensor:
             raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by mesh.tensor={tensor}.")
@@ -305,7 +291,9 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str,
         raise ConfigError(f"model.vocab_size={m.vocab_size}{padded} is not divisible by mesh.tensor={tensor}; pad it "
                           f"with model.vocab_multiple={tensor} (the padded rows never win, and export drops them).")
     _validate_rope(m)
-    _validate_attention(cfg, sizes)
+
+
+def _validate_train_numbers(t, sizes: dict[str, int]) -> None:
     for key in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
         if getattr(t, key) <= 0:
             raise ConfigError(f"train.{key} must be positive, got {getattr(t, key)}.")
@@ -314,25 +302,46 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str,
     if t.sample_tokens < 0:
         raise ConfigError(f"train.sample_tokens must be 0 (no sample) or more, got {t.sample_tokens}.")
     if t.lr <= 0 or t.warmup < 0 or t.clip_norm <= 0 or t.weight_decay < 0:
-        raise ConfigError("train.lr and train.clip_norm must be positive, train.warmup and train.weight_decay non-negative.")
+        raise ConfigError("train.lr and train.clip_norm must be positive, train.warmup and train.weight_decay "
+                          "non-negative.")
     batch_ways = sizes["data"] * sizes["expert"] * t.grad_accum
     if t.batch_size % batch_ways:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by mesh.data x mesh.expert x train.grad_accum"
             f" = {sizes['data']} x {sizes['expert']} x {t.grad_accum}.")
-    _validate_pipeline(cfg, sizes)
-    _validate_moe(cfg, sizes)
-    _validate_offload_and_local_sgd(cfg, sizes)
-    if cfg.parallel.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {cfg.parallel.zero}.")
+
+
+def _validate_run_numbers(cfg: Config) -> None:
+    t = cfg.train
     if not 0 <= t.seed <= MAX_SEED:
         raise ConfigError(f"train.seed must be between 0 and 2**63 - 1, got {t.seed}.")
     if t.lr_schedule_steps < 0:
-        raise ConfigError(f"train.lr_schedule_steps must be 0 (follow train.steps) or positive, got {t.lr_schedule_steps}.")
+        raise ConfigError(f"train.lr_schedule_steps must be 0 (follow train.steps) or positive, "
+                          f"got {t.lr_schedule_steps}.")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep <= 0:
         raise ConfigError("checkpoint.every must be 0 (off) or positive, and checkpoint.keep positive.")
     if t.loss_scale_window <= 0:
         raise ConfigError(f"train.loss_scale_window must be positive, got {t.loss_scale_window}.")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
+
+
+def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str, int], dict[str, int]]:
+    """Check every cross-field constraint before anything is compiled; return the mesh sizes
+    and how many processes each axis spans (host_split)."""
+    sizes = resolve_mesh(cfg.mesh, n_devices)
+    split = host_split(sizes, cfg.mesh, processes)
+    if not 0 < cfg.run.heartbeat_timeout <= MAX_HEARTBEAT_S:
+        raise ConfigError(f"run.heartbeat_timeout must be positive and at most {MAX_HEARTBEAT_S} seconds, "
+                          f"got {cfg.run.heartbeat_timeout}.")
+    for key, path in (("data.source", cfg.data.source), ("run.dir", cfg.run.dir)):
+        if not path.strip() or not path.isprintable():
+            raise ConfigError(f"{key} must be a non-empty path without control characters, got {path!r}.")
+    _validate_model_shape(cfg.model, sizes["tensor"])
+    _validate_attention(cfg, sizes)
+    _validate_train_numbers(cfg.train, sizes)
+    _validate_pipeline(cfg, sizes)
+    _validate_moe(cfg, sizes)
+    _validate_offload_and_local_sgd(cfg, sizes)
+    _validate_run_numbers(cfg)
     return sizes, split

@@ -7,7 +7,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import pytest  # noqa: E402
 
-from jaxpar.config import load_config  # noqa: E402
+from jaxpar.presets import load_config  # noqa: E402
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def trainer():
     """A trainer for the layout of `ten_steps`, shared by tests that only restore."""
-    from jaxpar.config import load_config
+    from jaxpar.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 

@@ -29,7 +29,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, capsys, re
 
 
 def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
-    from jaxpar.config import load_config
+    from jaxpar.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.checkpoint import Checkpoints, flat_by_path
     from jaxpar.train.trainer import Trainer
@@ -81,7 +81,7 @@ PIPELINES = {
 def test_restore_across_pipeline_layouts(tmp_path):
     """Interleaved stages store their layers permuted and 2BW keeps a second copy of the weights;
     checkpoints hold layers in model order, so they move between these and plain layouts."""
-    from jaxpar.config import load_config
+    from jaxpar.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.checkpoint import Checkpoints, flat_by_path
     from jaxpar.train.trainer import Trainer

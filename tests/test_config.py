@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from jaxpar.config import Config, ConfigError, all_keys, load_config
+from jaxpar.config import Config, ConfigError, all_keys
+from jaxpar.presets import load_config
 from jaxpar.validation import resolve_mesh, validate
 from jaxpar.config import MeshConfig
 

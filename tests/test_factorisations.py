@@ -13,7 +13,8 @@ import math
 
 import pytest
 
-from jaxpar.config import MESH_AXES, ConfigError, load_config
+from jaxpar.config import MESH_AXES, ConfigError
+from jaxpar.presets import load_config
 from jaxpar.session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.cli import main
-from jaxpar.config import load_config
+from jaxpar.presets import load_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -40,6 +40,7 @@ def layout_logits(*settings: str) -> tuple[np.ndarray, np.ndarray]:
     """Logits of the golden tokens (tiled to a batch of 8) on the layout `settings` builds, after
     loading the checkpoint through the trainer (each device its own slices), and transformers'."""
     from jaxpar.model import layout_hooks
+    from jaxpar.parallel import eval_hooks
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 
@@ -48,7 +49,7 @@ def layout_logits(*settings: str) -> tuple[np.ndarray, np.ndarray]:
     state = trainer.init()
 
     def forward(params, tokens_BL):
-        with layout_hooks(trainer.layout.eval_hooks()):
+        with layout_hooks(eval_hooks(trainer.layout)):
             return nnx.merge(trainer.graphdef, trainer.to_model_order(params))(tokens_BL)
 
     tokens, expected = golden(name)

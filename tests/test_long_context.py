@@ -10,7 +10,8 @@ import pytest
 from jaxpar.parallel.rules import RULES, layout_rules, logical_to_spec
 from jaxpar.plan import collectives, measure_step
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import TOLERANCES, verify
+from jaxpar.precision import POLICIES
+from jaxpar.train.verify import verify
 
 # Small enough to compile fast, valid on every layout below: 4 heads of size 8 (tensor 2 or 4
 # divides them), d_ff and vocab divisible by 4, 32 positions (divisible by tensor, several flash blocks).
@@ -37,7 +38,7 @@ LAYOUTS = {
 def test_layout_matches_single_device(layout, session_for):
     overrides = LAYOUTS[layout]
     result = verify(session_for(*TINY, "train.steps=2", *overrides), log=lambda line: None)
-    loss_tol, param_tol = TOLERANCES["fp32"]
+    loss_tol, param_tol = POLICIES["fp32"].tolerances
     assert result["ok"], result
     assert result["loss_max_rel_err"] <= loss_tol and result["param_max_rel_err"] <= param_tol, result
     # the layout really runs what it names (the reference is always dot attention without sequence)

@@ -16,7 +16,7 @@ def plans():
     """Measure each named layout once per test module."""
     import os
 
-    from jaxpar.config import load_config
+    from jaxpar.presets import load_config
     from jaxpar.session import prepare
 
     cache = {}

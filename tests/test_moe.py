@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from jaxpar.config import load_config
+from jaxpar.presets import load_config
 from jaxpar.plan import measure_step
 from jaxpar.session import prepare
 from jaxpar.train.trainer import Trainer

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.config import load_config
+from jaxpar.presets import load_config
 from jaxpar.data import BatchSampler, load_tokens
 from jaxpar.model import Transformer
 from jaxpar.train.step import objective, row_keys

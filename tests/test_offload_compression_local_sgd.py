@@ -7,14 +7,15 @@ import pytest
 
 from conftest import resumed_run_matches
 from jaxpar.train import verify_local as verify_local_module
-from jaxpar.train.verify import TOLERANCES, verify
+from jaxpar.precision import POLICIES
+from jaxpar.train.verify import verify
 
 TINY = ["configs/tiny_test.yaml", "train.steps=3", "mesh.tensor=1"]
 
 
 @pytest.fixture
 def tiny(tmp_path):
-    from jaxpar.config import load_config
+    from jaxpar.presets import load_config
     from jaxpar.session import prepare
 
     def build(*overrides):
@@ -60,7 +61,7 @@ def test_bf16_gradient_reduction_verifies_and_halves_the_bytes(tiny):
     from jaxpar.train.trainer import Trainer
 
     result = verify(tiny("mesh.data=8", "parallel.zero=2", "parallel.grad_reduce_dtype=bf16"), log=lambda line: None)
-    _, param_tol = TOLERANCES["bf16"]
+    _, param_tol = POLICIES["bf16"].tolerances
     assert result["ok"] and result["param_max_rel_err"] <= param_tol, result
     # the reduction really was rounded: fp32 layouts of this model agree with one device to about 1e-7
     assert result["param_max_rel_err"] > 1e-5

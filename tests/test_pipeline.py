@@ -105,7 +105,7 @@ def test_1f1b_bounds_activation_memory_by_stages_not_microbatches():
     """At S=4, M=16, with activations dominating, 1F1B needs at most half of GPipe's temporaries."""
     import os
 
-    from jaxpar.config import load_config
+    from jaxpar.presets import load_config
     from jaxpar.plan import measure_step
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
@@ -128,7 +128,7 @@ def test_1f1b_executes_the_matmuls_of_data_parallelism_and_recompute_adds_a_forw
     With recompute=true every backward redoes its forward: F + (F + 2F) = 4/3 of 3F."""
     import os
 
-    from jaxpar.config import load_config
+    from jaxpar.presets import load_config
     from jaxpar.plan import measure_step
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from jaxpar.cli import main
-from jaxpar.config import load_config
+from jaxpar.presets import load_config
 from jaxpar.hardware import Hardware
 from jaxpar.plan.roofline import predict
 from jaxpar.plan.model_flops import matmul_flops_floor

@@ -8,7 +8,8 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.data import BatchSampler, load_tokens
 from jaxpar.model import Transformer
-from jaxpar.train.precision import INITIAL_FP16_SCALE, LossScale
+from jaxpar.precision import INITIAL_FP16_SCALE, POLICIES
+from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.step import token_loss
 from jaxpar.train.trainer import Trainer
 
@@ -55,7 +56,7 @@ def test_overflowing_step_is_skipped_and_the_scale_halves(session_for):
 
 
 def test_scale_doubles_after_a_window_of_good_steps():
-    scale = LossScale.initial("fp16")
+    scale = LossScale.initial(POLICIES["fp16"])
     good = jnp.asarray(True)
     scale = scale.update(good, window=2)
     assert float(scale.scale) == INITIAL_FP16_SCALE and int(scale.good_steps) == 1
@@ -63,7 +64,7 @@ def test_scale_doubles_after_a_window_of_good_steps():
     assert float(scale.scale) == 2 * INITIAL_FP16_SCALE and int(scale.good_steps) == 0
     scale = scale.update(jnp.asarray(False), window=2)
     assert float(scale.scale) == INITIAL_FP16_SCALE and int(scale.skipped_steps) == 1
-    assert float(LossScale.initial("bf16").scale) == 1.0
+    assert float(LossScale.initial(POLICIES["bf16"]).scale) == 1.0
 
 
 def test_gradients_that_underflow_in_fp16_survive_with_loss_scaling():
@@ -73,7 +74,7 @@ def test_gradients_that_underflow_in_fp16_survive_with_loss_scaling():
     tokens = BatchSampler(load_tokens("builtin", 256), cfg.seq_len, 32, 0).batch(0)
 
     def grads(precision, scale, weight=1e-4):
-        g = jax.grad(lambda p: token_loss(graphdef, p, tokens, precision) * weight * scale)(params)
+        g = jax.grad(lambda p: token_loss(graphdef, p, tokens, POLICIES[precision]) * weight * scale)(params)
         return np.asarray(g["blocks"]["mlp"]["w_up"].get_value()) * (weight * 1e4) / scale
 
     def error(g):

@@ -1,4 +1,4 @@
-"""The Python API for a module of one's own: the README's example runs as written and agrees with
+"""The Python API for a module of one's own: the Python API guide's example (docs/python-api.md) runs as written and agrees with
 one device; a module without the block protocol trains whole and is refused per-layer features."""
 
 import re
@@ -9,25 +9,26 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxpar.config import ConfigError, load_config
+from jaxpar.config import ConfigError
+from jaxpar.presets import load_config
 from jaxpar.model import constrain
 from jaxpar.session import prepare
 from jaxpar.train.verify import verify
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "python-api.md"
 MARKER = "<!-- tests/test_python_api.py runs the next code block -->"
 
 
-def readme_example() -> str:
-    text = README.read_text()
+def guide_example() -> str:
+    text = GUIDE.read_text()
     found = re.search(re.escape(MARKER) + r"\s*```python\n(.*?)```", text, re.S)
-    assert found, "the README's Python example is not where its marker says"
+    assert found, "the Python API guide's example is not where its marker says"
     return found.group(1)
 
 
-def test_the_readme_example_runs_and_agrees_with_one_device(capsys):
+def test_the_guide_example_runs_and_agrees_with_one_device(capsys):
     namespace = {"__name__": "readme_example"}
-    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    exec(compile(guide_example(), "docs/python-api.md", "exec"), namespace)
     result = namespace["result"]
     assert result["ok"] and result["layout"] == "data=4 tensor=2 zero=3 fp32", result
     assert result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4
@@ -40,10 +41,10 @@ def test_the_readme_example_runs_and_agrees_with_one_device(capsys):
         "stage", None, None, ("tensor", "data"))
 
 
-def test_the_readme_model_pipelines_with_remat(tmp_path):
-    """The block protocol is all a pipeline needs: the README's model on data=2 x tensor=2 x stage=2."""
+def test_the_guide_model_pipelines_with_remat(tmp_path):
+    """The block protocol is all a pipeline needs: the guide's model on data=2 x tensor=2 x stage=2."""
     namespace = {"__name__": "readme_example"}
-    exec(compile(readme_example().split("# ZeRO-3 on data=4")[0], "README.md", "exec"), namespace)
+    exec(compile(guide_example().split("# ZeRO-3 on data=4")[0], "docs/python-api.md", "exec"), namespace)
     session = prepare(load_config(None, [f"run.dir={tmp_path}", "mesh.data=2", "mesh.tensor=2", "mesh.stage=2",
                                          "parallel.zero=1", "train.remat=full", "train.steps=3", "model.d_model=64",
                                          "model.n_layers=2", "model.d_ff=256", "model.seq_len=64",

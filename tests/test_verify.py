@@ -3,7 +3,8 @@
 import pytest
 
 from jaxpar.train import verify as verify_module
-from jaxpar.train.verify import TOLERANCES, verify
+from jaxpar.precision import POLICIES
+from jaxpar.train.verify import verify
 
 LAYOUTS = {
     "data=8": ["mesh.data=8"],
@@ -37,11 +38,11 @@ def test_layout_matches_single_device(layout, session_for):
 def test_half_precision_stays_within_its_tolerance_of_fp32(session_for, precision):
     result = verify(session_for("train.steps=5", "mesh.data=4", "mesh.tensor=2", f"train.precision={precision}"),
                     log=lambda line: None)
-    loss_tol, param_tol = TOLERANCES[precision]
+    loss_tol, param_tol = POLICIES[precision].tolerances
     assert result["ok"], result
     assert result["loss_max_rel_err"] <= loss_tol and result["param_max_rel_err"] <= param_tol
     # half precision really is in use: it cannot match fp32 to fp32 precision.
-    assert result["param_max_rel_err"] > TOLERANCES["fp32"][1]
+    assert result["param_max_rel_err"] > POLICIES["fp32"].tolerances[1]
 
 
 def test_verify_detects_a_different_trajectory(session_for, monkeypatch):

@@ -7,13 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.errors import UserError
+from jaxpar.errors import DataError
 
 BYTE_VOCAB = 256
-
-
-class DataError(UserError):
-    """A data source that is missing, unreadable, or too small for the model."""
 
 
 def builtin_text() -> str:

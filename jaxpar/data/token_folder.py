@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data.corpus import DataError
+from jaxpar.errors import DataError
 
 META, TOKENIZER = "meta.json", "tokenizer.json"
 # a Hugging Face tokenizer's settings beside its tokenizer.json (special tokens, chat template), kept with it

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar.data.corpus import DataError
+from jaxpar.errors import DataError
 from jaxpar.data.token_folder import COMPANION_FILES, FORMAT, META, TOKENIZER, token_dtype, tokenizer_json
 from jaxpar.folders import is_free, new_folder
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model import routers
+import jaxpar.model.routers as routers
 from jaxpar.model.axes import constrain, expert_all_to_all, param, zeros_param
 
 

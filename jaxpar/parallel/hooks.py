@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +36,7 @@ from jaxpar.parallel.reductions import scattered
 from jaxpar.parallel.rules import logical_to_spec
 from jaxpar.parallel.zero import without_axes
 
-if TYPE_CHECKING:
-    from jaxpar.parallel.layout import Layout
+from jaxpar.parallel.layout import Layout
 
 # Primitives that expand a weight shard to the full weight (ZeRO-3 gathers, ZeRO-2 slices its
 # replica; both wrapped in custom VJPs, which a checkpoint policy sees as one custom_vjp_call).
@@ -61,7 +59,7 @@ class _Hooks:
 
     def __init__(self, layout: Layout, in_step: bool = True):
         self.layout, self.in_step = layout, in_step
-        self.expands = in_step and layout.zero >= 2
+        self.expands = in_step and layout.zero.shards_gradients
         # ZeRO-2/3 expand each layer's weights from a shard; redo that in backward, never keep it.
         self.layer_weights_policy = _keep_all_but_expanded_weights if self.expands else None
 
@@ -151,7 +149,7 @@ class PartitionerHooks(_Hooks):
             full, shard = PartitionSpec(*full[1:]), PartitionSpec(*shard[1:])
         full, shard = self._sharding(full), self._sharding(shard)
         value = variable.get_value()
-        if self.layout.zero >= 3:
+        if self.layout.zero.shards_params:
             dtype = self.layout.compute_dtype if jnp.issubdtype(value.dtype, jnp.floating) else value.dtype
             return variable.replace(_constrained_gather(value, dtype, full, shard))
         return variable.replace(_gradient_constrained(value, shard))
@@ -167,7 +165,7 @@ class ManualHooks(_Hooks):
 
     @classmethod
     def for_params(cls, layout: Layout, params) -> ManualHooks:
-        if layout.zero != 2:
+        if not layout.zero.slices_replicated_weights:
             return cls(layout)
         flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]
         return cls(layout, {path_names(p): v.get_value() for p, v in flat})
@@ -202,7 +200,7 @@ class ManualHooks(_Hooks):
         shard = variable.get_value()
         if layer is not None:
             d -= 1  # a layer's slice of a stacked weight has no 'layers' dimension
-        if self.layout.zero >= 3:
+        if self.layout.zero.shards_params:
             dtype = self.layout.compute_dtype if jnp.issubdtype(shard.dtype, jnp.floating) else shard.dtype
             return variable.replace(_gathered_in(shard, dtype, d, axes, self.layout.reduce_dtype))
         full = self.replicas[path]
@@ -368,3 +366,8 @@ def _without_dim(spec: PartitionSpec, dim: int) -> PartitionSpec:
 
 
 _sequence_matmul.defvjp(_sequence_matmul_fwd, _sequence_matmul_bwd)
+
+
+def eval_hooks(layout: Layout) -> PartitionerHooks:
+    """Hooks for code traced outside shard_map with the stored weights (evaluation)."""
+    return PartitionerHooks(layout, in_step=False)

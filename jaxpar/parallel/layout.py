@@ -1,38 +1,28 @@
 """A parallel layout: one frozen plan of where every part of the training state lives, built
 from the mesh, the rules table, the ZeRO stage and the abstract parameters before anything is
-traced; and `gradients`, which differentiates a step on that layout.
+traced. `jaxpar.parallel.gradients` differentiates a step on it; `jaxpar.parallel.hooks` is what
+it does inside the traced step.
 
-Data, tensor and ZeRO parallelism are left to XLA's SPMD partitioner: the loss is
-differentiated on the global batch, activations carry sharding constraints, and ZeRO-2/3
-constrain each layer's weight (3: an all-gather in the compute dtype) and its gradient (2 and
-3: summed in fp32 onto the shard) inside the layer scan, so gradients are reduced layer by
-layer during backward (jaxpar.parallel.hooks).
-
-`jax.shard_map` appears only where collectives are written by hand. A pipeline is manual
-over `stage` (the executors ppermute between stages) and automatic over the rest. With
-`mesh.expert` > 1 the batch axes are manual too, for the expert all-to-all: each shard
-differentiates its slice of the batch, and gradients are summed with `psum` over the
-data-parallel axes their weight is not sharded on (ZeRO 0-1) or reduce-scattered layer by
-layer by custom VJPs (ZeRO 2-3).
+ZeRO is named by what it shards (`ZeroStage`): the optimizer state from stage 1, the gradients
+from 2, the parameters from 3. The rest of jaxpar asks those questions, never the stage number.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import types
-from typing import Callable, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.model import constrain, layout_hooks
+from jaxpar.model import constrain
 from jaxpar.model.axes import is_stacked, logical_names, path_names
-from jaxpar.parallel.hooks import ManualHooks, PartitionerHooks
-from jaxpar.parallel.reductions import summed
 from jaxpar.parallel.rules import RULES, data_parallel_axes, logical_to_spec
-from jaxpar.parallel.zero import manual_part, zero_dim, zero_spec
+from jaxpar.parallel.zero import zero_dim, zero_spec
+from jaxpar.switches import ZeroStage
 
 
 def _is_var(x) -> bool:
@@ -62,7 +52,7 @@ class Layout:
     """
 
     mesh: jax.sharding.Mesh
-    zero: int
+    zero: ZeroStage
     rules: Mapping
     compute_dtype: object  # ZeRO-3 gathers weights in it
     sizes: Mapping[str, int]
@@ -106,10 +96,12 @@ class Layout:
             weights[path_names(path)] = WeightPlan(
                 names, spec, zero_spec(spec, shape, names, sizes), zero_dim(spec, shape, names, sizes), is_stacked(v),
                 frozenset(a for e in spec for a in ((e,) if isinstance(e, str) else e or ())))
-        return cls(mesh, zero, types.MappingProxyType(dict(rules)), compute_dtype, types.MappingProxyType(sizes),
-                   data_axes, batch_ways, manual_data, manual_data + (("stage",) if pipelined else ()),
-                   1 if manual_data else batch_ways, types.MappingProxyType(weights), tuple(layer_weights_at),
-                   reduce_dtype)
+        return cls(mesh=mesh, zero=ZeroStage(zero), rules=types.MappingProxyType(dict(rules)),
+                   compute_dtype=compute_dtype, sizes=types.MappingProxyType(sizes), data_axes=data_axes,
+                   batch_ways=batch_ways, manual_data=manual_data,
+                   manual=manual_data + (("stage",) if pipelined else ()),
+                   traced_batch_shards=1 if manual_data else batch_ways, weights=types.MappingProxyType(weights),
+                   layer_weights_at=tuple(layer_weights_at), reduce_dtype=reduce_dtype)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -142,15 +134,15 @@ class Layout:
 
     def param_specs(self, params):
         """Parameters: sharded over data-parallel devices only under ZeRO-3."""
-        return self._specs(params, self.zero >= 3)
+        return self._specs(params, self.zero.shards_params)
 
     def grad_specs(self, params):
         """Gradients after reduction: reduce-scattered under ZeRO-2 and 3."""
-        return self._specs(params, self.zero >= 2)
+        return self._specs(params, self.zero.shards_gradients)
 
     def opt_specs(self, opt_state):
         """Optimizer state: sharded over data-parallel devices from ZeRO-1 on."""
-        return self._specs(opt_state, self.zero >= 1)
+        return self._specs(opt_state, self.zero.shards_optimizer_state)
 
     def named(self, specs, memory_kind: str | None = None):
         """PartitionSpecs -> NamedShardings on this mesh (in `memory_kind`: 'device', 'pinned_host';
@@ -179,60 +171,3 @@ class Layout:
         """A tree of bools: True for stacked (per-layer) weights, which pipeline stages split."""
         return jax.tree.map(lambda v: v.replace(is_stacked(v)), params, is_leaf=_is_var)
 
-    def eval_hooks(self) -> PartitionerHooks:
-        """Hooks for code traced outside shard_map with the stored weights (evaluation)."""
-        return PartitionerHooks(self, in_step=False)
-
-
-def gradients(layout: Layout, grad_fn: Callable, params, batch, *args):
-    """(stats, grads) for the global batch; grad_fn(hooks, params, batch, *args) -> (stats, grads),
-    where `hooks` expand weight shards for the model (jaxpar.parallel.hooks).
-
-    Under shard_map grad_fn sees its local batch shard (every array of `batch` is cut on its
-    rows), and stats (the loss and any other per-shard averages) and gradients come back summed
-    over the data-parallel axes and divided by their size (the mean over equal shards).
-    Partitioned by the compiler, it sees the global batch and its means are the global ones
-    already. Gradients are in the `grad_specs` layout.
-    """
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    grad_specs = layout.grad_specs(params)
-
-    def per_shard(params, batch, *args):
-        hooks = PartitionerHooks(layout) if not layout.manual_data else ManualHooks.for_params(layout, params)
-        target = hooks.differentiated(params)
-        with layout_hooks(hooks):
-            stats, grads = grad_fn(hooks, target, batch, *args)
-        # (a pipeline's loss is nonzero on the last stage only, hence the sum over `stage` too)
-        stats = jax.tree.map(lambda x: jax.lax.psum(x, layout.manual) / layout.manual_batch_ways, stats)
-        grads = jax.tree_util.tree_map_with_path(lambda p, g: _reduce(layout, g, path_names(p)), grads,
-                                                 is_leaf=_is_var)
-        return stats, grads
-
-    if not layout.manual:  # no stages, no experts: the compiler partitions it all
-        hooks = PartitionerHooks(layout)
-        with layout_hooks(hooks):
-            stats, grads = grad_fn(hooks, params, batch, *args)
-    else:
-        manual_in = jax.tree.map(lambda s: manual_part(s, layout.manual), layout.param_specs(params), is_leaf=is_spec)
-        manual_out = jax.tree.map(lambda s: manual_part(s, layout.manual), grad_specs, is_leaf=is_spec)
-        fn = jax.shard_map(per_shard, mesh=layout.mesh, axis_names=set(layout.manual), check_vma=False,
-                           in_specs=(manual_in, PartitionSpec(layout.manual_data)) + (PartitionSpec(),) * len(args),
-                           out_specs=(PartitionSpec(), manual_out))
-        stats, grads = fn(params, batch, *args)
-    if layout.zero >= 2 and not layout.manual_data:  # the shards, reduced layer by layer in backward
-        grads = jax.lax.with_sharding_constraint(grads, layout.named(grad_specs))
-    return stats, grads
-
-
-def _reduce(layout: Layout, grad: nnx.Variable, path: tuple) -> nnx.Variable:
-    """Mean of a local gradient over the data-parallel shards: summed over the data-parallel
-    axes its weight is not sharded over (expert weights live on one expert shard each;
-    ZeRO-2/3 ones were reduce-scattered in backward already), over `stage` too for a weight
-    shared by all pipeline stages, then divided by the number of batch shards."""
-    plan, value = layout.weights[path], grad.get_value()
-    if layout.manual_data and not (layout.zero >= 2 and plan.zero_dim is not None):
-        axes = tuple(a for a in layout.manual_data if a not in plan.used_axes)
-        value = summed(value, axes, layout.reduce_dtype).astype(value.dtype) if axes else value
-    if layout.pipelined and not plan.stacked:
-        value = jax.lax.psum(value, "stage")
-    return grad.replace(value / layout.manual_batch_ways)

@@ -19,7 +19,9 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.model.axes import is_stacked
-from jaxpar.parallel.pipeline import StageFns, gpipe_value_and_grad, one_f_one_b_value_and_grad
+from jaxpar.parallel.gpipe import gpipe_value_and_grad
+from jaxpar.parallel.one_f_one_b import one_f_one_b_value_and_grad
+from jaxpar.parallel.pipeline import StageFns
 from jaxpar.parallel.schedules import Table, build, storage_order
 
 

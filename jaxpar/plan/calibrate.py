@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxpar.hardware import Hardware
+from jaxpar.hardware import GPU_PROFILES, Hardware
 
 MATMUL_SHAPE = (1024, 512, 512)  # rows per device x contracted x output: a mid-sized layer's matmul
 ALL_REDUCE_FLOATS = (4, 2 ** 18)  # fp32 elements per device: a message of latency only, and a large one
@@ -167,3 +167,8 @@ def cpu_profile(devices: list) -> Hardware:
     tmp.write_text(json.dumps(hardware.to_dict(), indent=1))
     tmp.replace(path)
     return hardware
+
+
+def profile(name: str, devices: list) -> Hardware:
+    """The profile called `name`; `cpu` is calibrated on `devices` (once, then read from the cache)."""
+    return cpu_profile(devices) if name == "cpu" else GPU_PROFILES[name]

@@ -29,7 +29,7 @@ def draw(table: Table, path: str | Path) -> None:
     """Write the Gantt chart PNG (atomically: a temporary file, then rename)."""
     from matplotlib.patches import Patch
 
-    from jaxpar.train.report import pyplot, save_png
+    from jaxpar.charts import pyplot, save_png
 
     ticks = len(table.ticks)
     fig, ax = pyplot().subplots(figsize=(max(6.0, 0.32 * ticks + 1.5), 0.55 * table.stages + 1.6), dpi=110)

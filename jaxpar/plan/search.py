@@ -22,19 +22,20 @@ import itertools
 import math
 import sys
 import time
+import typing
 
-from jaxpar.config import Config, ConfigError
+from jaxpar.config import Config, ConfigError, ParallelConfig, TrainConfig
 from jaxpar.errors import UserError
 from jaxpar.parallel.schedules import SCHEDULES
 from jaxpar.plan import compiled_cache
 from jaxpar.hardware import Hardware
 from jaxpar.plan.roofline import Prediction, hosts_of, predict_layout
+from jaxpar.switches import MESH_KEYS
 from jaxpar.validation import validate
 
-MESH_KEYS = ("mesh.data", "mesh.tensor", "mesh.expert", "mesh.stage")
-PIPELINE_KEYS = ("parallel.pipeline.schedule", "parallel.pipeline.microbatches", "parallel.pipeline.virtual")
-SEARCHED_KEYS = (*MESH_KEYS, "parallel.zero", "train.remat", *PIPELINE_KEYS, "train.grad_accum")
-REMATS = ("none", "dots", "full", "sqrt")
+# the keys the search enumerates (jaxpar.switches), and their valid values where the config declares them
+ZERO_STAGES = typing.get_args(typing.get_type_hints(ParallelConfig)["zero"])
+REMATS = typing.get_args(typing.get_type_hints(TrainConfig)["remat"])  # in order of their cost: none first
 GRAD_ACCUMS = (1, 2, 4, 8)
 MICROBATCHES_PER_STAGE = (1, 2, 4)
 INTERLEAVED_VIRTUAL = 2
@@ -107,7 +108,7 @@ def enumerate_layouts(cfg: Config, n: int, fixed: dict, processes: int = 1) -> l
     ladders = []
     for mesh in _meshes(cfg, n, fixed):
         shards_state = mesh["mesh.data"] * mesh["mesh.expert"] > 1
-        for pipeline, zero in itertools.product(_pipelines(mesh), (0, 1, 2, 3) if shards_state else (0,)):
+        for pipeline, zero in itertools.product(_pipelines(mesh), ZERO_STAGES if shards_state else ZERO_STAGES[:1]):
             base = {**mesh, **pipeline, "parallel.zero": zero}
             accums = [1] if mesh["mesh.stage"] > 1 else GRAD_ACCUMS
             rungs = [{**base, "train.remat": remat, "train.grad_accum": accum}
@@ -232,53 +233,69 @@ def search(cfg: Config, devices: list, hardware: Hardware, budget: float, fixed:
 
     floor_flops, peak = matmul_flops_floor(cfg), hardware.peak_flops[cfg.train.precision]
     floors = [floor_seconds(floor_flops, ladder, n, peak) for ladder in ladders]
-    order = sorted(range(len(ladders)), key=floors.__getitem__)  # likely-fast layouts first: the bound tightens early
-    total = sum(len(ladder) for ladder in ladders)
-    done: dict[tuple[int, int], Candidate] = {}
-    fit_times: list[float] = []
-    pruned = 0
-
-    def bound() -> float:
-        return sorted(fit_times)[top - 1] if top is not None and len(fit_times) >= top else math.inf
-
     pool = _Pool(cfg, devices, processes)
-    bar = tqdm(total=total, desc="plan --search", unit="layout", disable=not progress, file=sys.stderr)
-
-    def fill() -> None:
-        nonlocal pruned
-        while order and pool.busy < pool.width:
-            i = order.pop(0)
-            if floors[i] >= bound():
-                pruned += 1
-                bar.update(len(ladders[i]))
-            else:
-                pool.submit(cfg.replace(**ladders[i][0]), budget, (i, 0))
-
+    bar = tqdm(total=sum(len(ladder) for ladder in ladders), desc="plan --search", unit="layout",
+               disable=not progress, file=sys.stderr)
+    run = _Ladders(cfg, ladders, floors, pool, bar, budget, top)
     try:
-        fill()
+        run.fill()
         while pool.busy:
-            (i, rung), (entry, cached) = pool.next_result()
-            candidate = _candidate(cfg, ladders[i][rung], devices, hardware, entry, cached)
-            done[i, rung] = candidate
-            bar.set_postfix_str(candidate.name[:48])
-            left = len(ladders[i]) - rung - 1
-            if candidate.fits(budget):
-                fit_times.append(candidate.prediction.seconds)
-            slower = candidate.prediction is not None and candidate.prediction.seconds >= bound()
-            if candidate.fits(budget) or candidate.state_only or not left or slower:
-                pruned += bool(left) and slower and not candidate.fits(budget)
-                bar.update(left + 1)  # later rungs are no faster: this one fits, cannot, or is out of the top
-            else:
-                bar.update(1)
-                pool.submit(cfg.replace(**ladders[i][rung + 1]), budget, (i, rung + 1))
-            fill()
+            run.settle(*pool.next_result(), devices, hardware)
+            run.fill()
     finally:
         bar.close()
         pool.close()
-    candidates = [done[key] for key in sorted(done)]
+    candidates = [run.done[key] for key in sorted(run.done)]
     compiled = sum(not c.cached for c in candidates)
-    return SearchResult(candidates, total, compiled, len(candidates) - compiled, pruned, time.perf_counter() - start,
-                        hardware, budget)
+    return SearchResult(candidates, bar.total, compiled, len(candidates) - compiled, run.pruned,
+                        time.perf_counter() - start, hardware, budget)
+
+
+class _Ladders:
+    """The search's progress through its ladders: which to compile next (likely-fast layouts first, so
+    the bound tightens early), which rung follows a result, and what is pruned."""
+
+    def __init__(self, cfg: Config, ladders: list, floors: list, pool, bar, budget: float, top: int | None):
+        self.cfg, self.ladders, self.floors, self.pool, self.bar = cfg, ladders, floors, pool, bar
+        self.budget, self.top = budget, top
+        self.order = sorted(range(len(ladders)), key=floors.__getitem__)
+        self.done: dict[tuple[int, int], Candidate] = {}
+        self.fit_times: list[float] = []
+        self.pruned = 0
+
+    def bound(self) -> float:
+        """The top-th best predicted time of a fitting layout so far (inf until there are `top`)."""
+        top = self.top
+        return sorted(self.fit_times)[top - 1] if top is not None and len(self.fit_times) >= top else math.inf
+
+    def fill(self) -> None:
+        """Start ladders while the pool has room, pruning those whose floor cannot enter the top."""
+        while self.order and self.pool.busy < self.pool.width:
+            i = self.order.pop(0)
+            if self.floors[i] >= self.bound():
+                self.pruned += 1
+                self.bar.update(len(self.ladders[i]))
+            else:
+                self.pool.submit(self.cfg.replace(**self.ladders[i][0]), self.budget, (i, 0))
+
+    def settle(self, key: tuple[int, int], result: tuple[dict, bool], devices: list, hardware: Hardware) -> None:
+        """Record one compiled rung; submit the ladder's next rung unless this one fits, cannot, or is
+        out of the top (every later rung is predicted no faster)."""
+        (i, rung), (entry, cached) = key, result
+        candidate = _candidate(self.cfg, self.ladders[i][rung], devices, hardware, entry, cached)
+        self.done[i, rung] = candidate
+        self.bar.set_postfix_str(candidate.name[:48])
+        left = len(self.ladders[i]) - rung - 1
+        fits = candidate.fits(self.budget)
+        if fits:
+            self.fit_times.append(candidate.prediction.seconds)
+        slower = candidate.prediction is not None and candidate.prediction.seconds >= self.bound()
+        if fits or candidate.state_only or not left or slower:
+            self.pruned += bool(left) and slower and not fits
+            self.bar.update(left + 1)
+        else:
+            self.bar.update(1)
+            self.pool.submit(self.cfg.replace(**self.ladders[i][rung + 1]), self.budget, (i, rung + 1))
 
 
 def _candidate(cfg: Config, overrides: dict, devices: list, hardware: Hardware, entry: dict,

@@ -4,7 +4,8 @@ overrides that `jaxpar train` takes as they are."""
 from __future__ import annotations
 
 from jaxpar.errors import UserError
-from jaxpar.plan.search import SEARCHED_KEYS, SearchResult
+from jaxpar.plan.search import SearchResult
+from jaxpar.switches import SEARCHED_KEYS
 
 GIB = 2 ** 30
 

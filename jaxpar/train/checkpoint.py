@@ -38,7 +38,7 @@ from jaxpar import distributed
 from jaxpar.config import Config, flatten_dict
 from jaxpar.errors import RunFailed, UserError
 from jaxpar.model.axes import path_names
-from jaxpar.train.precision import LossScale
+from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.step import TrainState
 
 class CheckpointMismatch(UserError):
@@ -338,11 +338,10 @@ class Checkpoints:
 
     @staticmethod
     def _adapt_loss_scale(state: TrainState, meta: dict, trainer) -> TrainState:
-        # A new precision restarts the loss scale at its own initial value (fp16: 2^15, else a constant 1).
-        precision = trainer.cfg.train.precision
-        if meta["config"]["train"]["precision"] == precision:
+        # A new precision policy restarts the loss scale at its own initial value (fp16: 2^15, else a constant 1).
+        if trainer.precision.carries_loss_scale_from(meta["config"]["train"]["precision"]):
             return state
-        fresh = LossScale.initial(precision)
+        fresh = LossScale.initial(trainer.precision)
         scale = LossScale(fresh.scale, fresh.good_steps, state.loss_scale.skipped_steps)
         return dataclasses.replace(state, loss_scale=jax.device_put(scale, trainer.state_shardings.loss_scale))
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxpar.config import ParallelConfig
+from jaxpar.config import Config, ParallelConfig
 
 REPLICA_AXIS = "data"
 
@@ -105,3 +105,59 @@ def make_local_step(replica_step, p: ParallelConfig, replicas: int):
         return dataclasses.replace(new, params=params, outer=outer), metrics
 
     return local_step
+
+
+class Synchronous:
+    """Every data-parallel rank takes every step together: the training strategy that changes
+    nothing about the state plan or the step."""
+
+    replicas = 0
+
+    def state_layout(self, layout, relayout):
+        return layout
+
+    def specs(self, specs):
+        return specs
+
+    def initial(self, state):
+        return state
+
+    def step(self, step):
+        return step
+
+    def weights(self, params):
+        return params
+
+
+class LocalSGD:
+    """Local SGD as a transformation of the state plan and the step: each of R replicas (mesh.data)
+    keeps its own weights and optimizer state on a leading replica dimension over data, laid out
+    inside a replica by the rules table without the batch's data split; the synchronous step is
+    mapped over the replicas and they synchronize every H steps. Evaluation and samples use the
+    replicas' mean (identical right after a synchronization)."""
+
+    def __init__(self, p: ParallelConfig, replicas: int):
+        self.p, self.replicas = p, replicas
+
+    def state_layout(self, layout, relayout):
+        """relayout(rules) -> Layout: the layout of one replica's state (ZeRO-0, rows not split)."""
+        return relayout(replica_rules(dict(layout.rules)))
+
+    def specs(self, specs):
+        outer = OuterState(specs.params, specs.params) if self.p.outer == "nesterov" else None
+        return dataclasses.replace(per_replica(specs), outer=outer)
+
+    def initial(self, state):
+        outer = OuterState.initial(state.params) if self.p.outer == "nesterov" else None
+        return dataclasses.replace(stacked(state, self.replicas), outer=outer)
+
+    def step(self, step):
+        return make_local_step(step, self.p, self.replicas)
+
+    def weights(self, params):
+        return replica_mean(params)
+
+
+def strategy(cfg: Config, sizes: dict[str, int]) -> Synchronous | LocalSGD:
+    """Local SGD when parallel.sync_every > 1 (validated: mesh.data > 1), else synchronous."""
+    return LocalSGD(cfg.parallel, sizes["data"]) if cfg.parallel.sync_every > 1 else Synchronous()

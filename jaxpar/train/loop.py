@@ -20,7 +20,8 @@ from jaxpar.data.token_folder import is_token_folder
 from jaxpar.distributed import StopAgreement, is_secondary
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
-from jaxpar.train.report import append_jsonl, plot_loss, read_jsonl, write_json_atomic, write_jsonl_atomic
+from jaxpar.charts import plot_loss
+from jaxpar.train.report import append_jsonl, read_jsonl, write_json_atomic, write_jsonl_atomic
 from jaxpar.train.sample import sample_text
 from jaxpar.train.tensorboard import TensorBoardWriter
 from jaxpar.train.trainer import Trainer
@@ -140,10 +141,92 @@ def train(session: Session, progress: bool = True, model=None, rules=None) -> di
         return _train(session, trainer, checkpoints, progress, cleanup)
 
 
+class _StepLog:
+    """Reads each step's metrics (after the next step is dispatched), times the step, writes the logged
+    rows to metrics.jsonl (and TensorBoard), moves the progress bar, and stops a run whose loss is no
+    longer finite."""
+
+    def __init__(self, session: Session, metrics_path: Path, board, bar, checkpoints: Checkpoints):
+        cfg = session.cfg
+        self.cfg, self.metrics_path, self.board, self.bar, self.checkpoints = cfg, metrics_path, board, bar, checkpoints
+        self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+        # a policy with loss scaling skips non-finite steps instead
+        self.stop_on_nonfinite = cfg.train.on_nonfinite == "stop" and not session.precision.loss_scaling
+        self.records: list[dict] = []
+        self.last_time = time.perf_counter()
+
+    def finish(self, step: int, metrics, val_losses=None) -> None:
+        values = {k: v.tolist() for k, v in jax.device_get(metrics).items()}  # scalars, or lists (per expert)
+        if val_losses is not None:
+            values["val_loss"] = float(np.mean(jax.device_get(val_losses)))
+        if not values.pop("synced", True):  # local SGD: the replicas' spread is measured when they synchronize
+            del values["replica_spread"]
+        now = time.perf_counter()
+        step_time, self.last_time = now - self.last_time, now
+        record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time}
+        self.records.append(record)
+        if _logged(step, self.cfg) and _primary():
+            append_jsonl(self.metrics_path, record)
+            if self.board is not None:
+                self.board.record(record)
+        self.bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        self.bar.update(1)
+        if self.stop_on_nonfinite:
+            for name, key in (("loss", "loss"), ("gradient norm", "grad_norm")):
+                if not math.isfinite(values[key]):
+                    raise NonFiniteLoss(_nonfinite_message(step, name, values[key], self.checkpoints))
+
+
+def _announce(session: Session) -> None:
+    cfg = session.cfg
+    processes = ""
+    if jax.process_count() > 1:
+        split = session.process_split
+        processes = f", {jax.process_count()} processes over " + " x ".join(
+            f"{axis}={n}" for axis, n in split.items() if n > 1)
+    if cfg.model.from_hf and not is_token_folder(cfg.data.source):
+        _warn(f"data.source={cfg.data.source} is read as bytes, but model.from_hf's token ids are its tokenizer's; "
+              f"tokenize the text first: jaxpar tokenize --input FILE --tokenizer {cfg.model.from_hf} --out DIR.")
+    _say(f"jaxpar: training {cfg.model.n_layers}-layer d={cfg.model.d_model} model on {session.mesh_name()} "
+         f"({len(session.devices)} {session.devices[0].platform} devices{processes}), {cfg.train.steps} steps")
+
+
+def _run_steps(session: Session, trainer: Trainer, checkpoints: Checkpoints, log: _StepLog, state, start: int):
+    """Train from step `start` to train.steps, checkpointing every checkpoint.every steps and at the end;
+    returns (state, the last step taken, the signal that stopped the run or None)."""
+    t, every = session.cfg.train, session.cfg.checkpoint.every
+    stopped_by, step = None, start
+    agreement = StopAgreement()  # every process of a multi-process run stops at the same step
+    with StopSignals() as signals:
+        pending = None
+        for index in range(start, t.steps):
+            state, metrics = trainer.step(state, trainer.put_windows(session.train_data,
+                                                                  session.train_data.starts(index)))
+            if pending is not None:
+                log.finish(*pending)
+            step = index + 1
+            # dispatched now, on this step's weights; read with its metrics
+            val = validation_losses(trainer, state.params, session) if _evaluated(step, t) else None
+            pending = (step, metrics, val)
+            stopping = agreement.should_stop(step, signals.received is not None)
+            if stopping or (every and step % every == 0):
+                # Read this step's metrics first: only a finite step is checkpointed.
+                log.finish(*pending)
+                pending = None
+                checkpoints.save(step, state, trainer)
+            if stopping:
+                stopped_by = signals.received or "a signal to another process"
+                break
+        if pending is not None:
+            log.finish(*pending)
+    if stopped_by is None and every and start < t.steps and t.steps % every:
+        checkpoints.save(t.steps, state, trainer)
+    return state, step, stopped_by
+
+
 def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progress: bool,
            cleanup: contextlib.ExitStack) -> dict:
     cfg = session.cfg
-    t = cfg.train
     run_dir = Path(cfg.run.dir)
     resumed = checkpoints.restore_latest(trainer, _warn)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -159,84 +242,20 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     if cfg.run.tensorboard and primary:
         board = TensorBoardWriter(run_dir, start)
         cleanup.callback(board.close)
-    tokens_per_step = t.batch_size * cfg.model.seq_len
-    processes = ""
-    if jax.process_count() > 1:
-        split = session.process_split
-        processes = f", {jax.process_count()} processes over " + " x ".join(
-            f"{axis}={n}" for axis, n in split.items() if n > 1)
-    if cfg.model.from_hf and not is_token_folder(cfg.data.source):
-        _warn(f"data.source={cfg.data.source} is read as bytes, but model.from_hf's token ids are its tokenizer's; "
-              f"tokenize the text first: jaxpar tokenize --input FILE --tokenizer {cfg.model.from_hf} --out DIR.")
-    _say(f"jaxpar: training {cfg.model.n_layers}-layer d={cfg.model.d_model} model on {session.mesh_name()} "
-         f"({len(session.devices)} {session.devices[0].platform} devices{processes}), {t.steps} steps")
-
-    bar = tqdm(total=t.steps, initial=min(start, t.steps), desc="train", unit="step",
-               disable=not (progress and primary),
-               file=sys.stderr, dynamic_ncols=True)
-    records: list[dict] = []
-    last_time = time.perf_counter()
-    stop_on_nonfinite = t.on_nonfinite == "stop" and t.precision != "fp16"  # fp16 always skips such steps
-
-    def finish(step: int, metrics, val_losses=None) -> None:
-        nonlocal last_time
-        values = {k: v.tolist() for k, v in jax.device_get(metrics).items()}  # scalars, or lists (per expert)
-        if val_losses is not None:
-            values["val_loss"] = float(np.mean(jax.device_get(val_losses)))
-        if not values.pop("synced", True):  # local SGD: the replicas' spread is measured when they synchronize
-            del values["replica_spread"]
-        now = time.perf_counter()
-        step_time, last_time = now - last_time, now
-        record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
-        records.append(record)
-        if _logged(step, cfg) and primary:
-            append_jsonl(metrics_path, record)
-            if board is not None:
-                board.record(record)
-        bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        bar.update(1)
-        if stop_on_nonfinite:
-            for name, key in (("loss", "loss"), ("gradient norm", "grad_norm")):
-                if not math.isfinite(values[key]):
-                    raise NonFiniteLoss(_nonfinite_message(step, name, values[key], checkpoints))
-
-    every = cfg.checkpoint.every
-    stopped_by, step = None, start
+    _announce(session)
+    bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps), desc="train", unit="step",
+               disable=not (progress and primary), file=sys.stderr, dynamic_ncols=True)
+    log = _StepLog(session, metrics_path, board, bar, checkpoints)
     try:
-        agreement = StopAgreement()  # every process of a multi-process run stops at the same step
-        with StopSignals() as signals:
-            pending = None
-            for index in range(start, t.steps):
-                state, metrics = trainer.step(state, trainer.put_windows(session.train_data,
-                                                                      session.train_data.starts(index)))
-                if pending is not None:
-                    finish(*pending)
-                step = index + 1
-                # dispatched now, on this step's weights; read with its metrics
-                val = validation_losses(trainer, state.params, session) if _evaluated(step, t) else None
-                pending = (step, metrics, val)
-                stopping = agreement.should_stop(step, signals.received is not None)
-                if stopping or (every and step % every == 0):
-                    # Read this step's metrics first: only a finite step is checkpointed.
-                    finish(*pending)
-                    pending = None
-                    checkpoints.save(step, state, trainer)
-                if stopping:
-                    stopped_by = signals.received or "a signal to another process"
-                    break
-            if pending is not None:
-                finish(*pending)
-        if stopped_by is None and every and start < t.steps and t.steps % every:
-            checkpoints.save(t.steps, state, trainer)
+        state, step, stopped_by = _run_steps(session, trainer, checkpoints, log, state, start)
     finally:
         bar.close()
-
     if stopped_by is not None:
         checkpoints.wait()
         _say(f"jaxpar: stopped by {stopped_by} after step {step}; the checkpoint at step {step} is in "
              f"{checkpoints.directory}, and the same command resumes from it.")
         return {"preempted": stopped_by, "step": step, "checkpoint_dir": str(checkpoints.directory)}
-    return _summarize(session, trainer, state, history, records, run_dir, board)
+    return _summarize(session, trainer, state, history, log.records, run_dir, board)
 
 
 def _nonfinite_message(step: int, name: str, value: float, checkpoints: Checkpoints) -> str:

@@ -16,13 +16,15 @@ otherwise the state comes over whole.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.model.axes import is_stacked
-from jaxpar.train.precision import unless_skipped
+from jaxpar.train.loss_scale import unless_skipped
 
 STACKED, REST, SHARED = "stacked", "rest", "shared"
 
@@ -75,12 +77,22 @@ def _mover(mesh, specs, kinds):
     return move
 
 
-def offloaded_update(update: optax.GradientTransformation, clip_norm: float, by_layer: bool, grads, opt_state,
-                     params, mesh, specs, finite=None):
-    """(updates, new optimizer state in pinned host memory) for the chain clip_by_global_norm(clip_norm)
-    -> `update`, whose state `opt_state` is in host memory; `specs`: the partition specs of
-    `update`'s state (the second item of the chain's). Where `finite` is False the old state is
-    stored back (a skipped step), chosen on the device."""
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the offloaded optimizer state lives: the mesh and the partition specs of the optimizer's
+    own update state (the second item of the chain's state)."""
+
+    mesh: jax.sharding.Mesh
+    specs: object
+
+
+def offloaded_update(optimizer, grads, opt_state, params, placement: Placement, finite=None):
+    """(updates, new optimizer state in pinned host memory) for `optimizer` (jaxpar.train.optim: the
+    chain clip_by_global_norm(clip_norm) -> update, by layer or whole), whose state `opt_state` is in
+    host memory. Where `finite` is False the old state is stored back (a skipped step), chosen on
+    the device."""
+    update, clip_norm, by_layer = optimizer.update, optimizer.clip_norm, optimizer.by_layer
+    mesh, specs = placement.mesh, placement.specs
     clip_state, state = opt_state
     grads, clip_state = optax.clip_by_global_norm(clip_norm).update(grads, clip_state)
     kinds, param_kinds = _kinds(state), _kinds(params)

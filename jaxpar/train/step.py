@@ -15,10 +15,11 @@ from flax import nnx
 
 from jaxpar.config import Config, TrainConfig
 from jaxpar.model import is_block_model, layout_hooks
-from jaxpar.parallel import Layout, PipelinePlan, StageFns, gradients
-from jaxpar.train.offload import offloaded_update
+from jaxpar.parallel import Layout, PipelinePlan, StageFns, eval_hooks, gradients
+from jaxpar.precision import PrecisionPolicy
+from jaxpar.train.loss_scale import LossScale, all_finite, unless_skipped
+from jaxpar.train.offload import Placement, offloaded_update
 from jaxpar.train.optim import Optimizer
-from jaxpar.train.precision import LossScale, all_finite, cast_for_compute, unless_skipped
 from jaxpar.train.remat import layer_scan
 
 
@@ -35,16 +36,17 @@ class TrainState:
     outer: object = None  # local SGD with parallel.outer=nesterov: its OuterState (None otherwise)
 
 
-def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: str, hooks=None) -> nnx.Module:
+def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: PrecisionPolicy, hooks=None) -> nnx.Module:
     """The model on `params` in the compute dtype (the layout's hooks expand sharded weights)."""
-    return nnx.merge(graphdef, cast_for_compute(hooks.model_weights(params) if hooks else params, precision))
+    return nnx.merge(graphdef, precision.cast_to_compute(hooks.model_weights(params) if hooks else params))
 
 
 def _cross_entropy(logits_BLV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), tokens_BT[:, 1:]).mean()
 
 
-def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array, precision: str) -> jax.Array:
+def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array,
+               precision: PrecisionPolicy) -> jax.Array:
     """Mean next-token cross-entropy over the batch, computed in fp32."""
     return _cross_entropy(_model(graphdef, params, precision)(tokens_BT[:, :-1]), tokens_BT)
 
@@ -89,11 +91,11 @@ def objective(model: nnx.Module, tokens_BT: jax.Array, rows_B: jax.Array | None,
     return loss + aux, {"loss": loss, **routing_stats(sums, jax.tree.leaves(routing)[0].shape[0])}
 
 
-def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, scale: jax.Array) -> StageFns:
+def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPolicy, scale: jax.Array) -> StageFns:
     """The model cut into embedding, a chunk of layers and head+loss, for the pipeline executors."""
     t, moe = cfg.train, cfg.model.moe
     scan = layer_scan(t.remat, hooks, t.offloads_activations)
-    model = lambda p: _model(graphdef, p, t.precision, hooks)  # noqa: E731
+    model = lambda p: _model(graphdef, p, precision, hooks)  # noqa: E731
 
     def layers(p, x_bLD, layer_ids, rows_b):
         x_bLD, routing = model(p).run_blocks(x_bLD, scan, layer_ids, rows_b)
@@ -101,7 +103,7 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, scale: jax.Array) -> S
         return (x_bLD, aux * scale), sums
 
     return StageFns(
-        cast=lambda p: cast_for_compute(p, t.precision),
+        cast=precision.cast_to_compute,
         embed=lambda p, tokens_bT: model(p).embed(tokens_bT[:, :-1]),
         layers=layers,
         head_loss=lambda p, x_bLD, tokens_bT: _cross_entropy(model(p).logits(x_bLD), tokens_bT) * scale,
@@ -137,8 +139,46 @@ def row_keys(key: jax.Array, rows: int) -> jax.Array:
     return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(rows))
 
 
+def _gradient_fn(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: PipelinePlan,
+                 precision: PrecisionPolicy):
+    """grad_fn(hooks, params, (tokens_BT, rows_B), scale) -> (stats, grads) for `gradients`: the
+    objective accumulated over train.grad_accum microbatches, or run through the pipeline's schedule."""
+    t, moe = cfg.train, cfg.model.moe
+
+    def accumulated(hooks, params, batch, scale):
+        scan = layer_scan(t.remat, hooks, t.offloads_activations)
+
+        def scaled_objective(p, micro):
+            tokens_BT, rows_B = micro
+            value, stats = objective(_model(graphdef, p, precision, hooks), tokens_BT, rows_B, t, moe, scan)
+            return value * scale, stats
+
+        return accumulated_grads(scaled_objective, params, batch, t.grad_accum, layout)
+
+    def pipelined(hooks, params, batch, scale):
+        micro = layout.split_microbatches(batch, pipeline.table.microbatches)
+        loss, sums, grads = pipeline.value_and_grad(stage_fns(graphdef, hooks, cfg, precision, scale), params,
+                                                    layout.stacked_mask(params), micro)
+        units = pipeline.table.microbatches * pipeline.stacked_layers
+        return {"loss": loss / scale, **routing_stats(sums, units)}, grads
+
+    return accumulated if pipeline.table is None else pipelined
+
+
+def _updated(optimizer: Optimizer, state: TrainState, grads, finite, layout: Layout, offloads: bool):
+    """(new parameters, new optimizer state): the optimizer's update, from pinned host memory (layer by
+    layer) and back when the state is offloaded; the old ones, bit for bit, where `finite` is False."""
+    if offloads:
+        placement = Placement(layout.mesh, layout.opt_specs(state.opt_state)[1])
+        updates, opt_state = offloaded_update(optimizer, grads, state.opt_state, state.params, placement, finite)
+    else:
+        updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
+        opt_state = unless_skipped(finite, opt_state, state.opt_state)
+    return unless_skipped(finite, optax.apply_updates(state.params, updates), state.params), opt_state
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, layout: Layout,
-                    pipeline: PipelinePlan):
+                    pipeline: PipelinePlan, precision: PrecisionPolicy):
     """Build the pure step for one layout and pipeline plan (a plan without a table: no pipeline).
 
     Under PipeDream-2BW (pipeline.stale_weights) gradients are taken on the weights one step old
@@ -146,25 +186,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     """
     t, moe = cfg.train, cfg.model.moe
     noisy = bool(moe.experts) and moe.noise and moe.router == "topk"
-
-    def accumulated(hooks, params, batch, scale):
-        scan = layer_scan(t.remat, hooks, t.offloads_activations)
-
-        def scaled_objective(p, micro):
-            tokens_BT, rows_B = micro
-            value, stats = objective(_model(graphdef, p, t.precision, hooks), tokens_BT, rows_B, t, moe, scan)
-            return value * scale, stats
-
-        return accumulated_grads(scaled_objective, params, batch, t.grad_accum, layout)
-
-    def pipelined(hooks, params, batch, scale):
-        micro = layout.split_microbatches(batch, pipeline.table.microbatches)
-        loss, sums, grads = pipeline.value_and_grad(stage_fns(graphdef, hooks, cfg, scale), params,
-                                                    layout.stacked_mask(params), micro)
-        units = pipeline.table.microbatches * pipeline.stacked_layers
-        return {"loss": loss / scale, **routing_stats(sums, units)}, grads
-
-    grad_fn = accumulated if pipeline.table is None else pipelined
+    grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision)
     # Statistics are means over the traced batch of one microbatch; token counts scale to the step.
     traced_batches = layout.manual_batch_ways * (t.grad_accum if pipeline.table is None else pipeline.table.microbatches)
 
@@ -176,18 +198,12 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, rows_B), scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
         loss_scale = state.loss_scale
-        # fp16, or on_nonfinite=skip: a step with any non-finite gradient leaves the state bit-identical
-        finite = all_finite(grads) if t.precision == "fp16" or t.on_nonfinite == "skip" else None
-        if t.offloads_optimizer:  # the state comes from pinned host memory (layer by layer) and goes back
-            updates, opt_state = offloaded_update(optimizer.update, optimizer.clip_norm, optimizer.by_layer, grads,
-                                                  state.opt_state, state.params, layout.mesh,
-                                                  layout.opt_specs(state.opt_state)[1], finite)
-        else:
-            updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
-            opt_state = unless_skipped(finite, opt_state, state.opt_state)
-        params = unless_skipped(finite, optax.apply_updates(state.params, updates), state.params)
+        # loss scaling (fp16), or on_nonfinite=skip: a step with any non-finite gradient leaves the state
+        # bit-identical
+        finite = all_finite(grads) if precision.loss_scaling or t.on_nonfinite == "skip" else None
+        params, opt_state = _updated(optimizer, state, grads, finite, layout, t.offloads_optimizer)
         if finite is not None:
-            loss_scale = (loss_scale.update(finite, t.loss_scale_window) if t.precision == "fp16"
+            loss_scale = (loss_scale.update(finite, precision.loss_scale_window) if precision.loss_scaling
                           else loss_scale.count_skip(finite))
         metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step),
                    "loss_scale": state.loss_scale.scale, "skipped_steps": loss_scale.skipped_steps}
@@ -203,11 +219,11 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, precision: str, layout: Layout, pipeline: PipelinePlan):
+def make_eval_step(graphdef: nnx.GraphDef, precision: PrecisionPolicy, layout: Layout, pipeline: PipelinePlan):
     """Build `(params, batch) -> loss` for validation (traced outside shard_map, layers in model order)."""
 
     def eval_step(params, tokens_BT):
-        with layout_hooks(layout.eval_hooks()):
+        with layout_hooks(eval_hooks(layout)):
             return token_loss(graphdef, pipeline.to_model_order(params), tokens_BT, precision)
 
     return eval_step

@@ -1,4 +1,5 @@
-"""One layout, ready to run: mesh, state shardings, sharded init, jitted train and eval steps."""
+"""One layout, ready to run: its state plan (jaxpar.train.state_plan), its jitted steps
+(jaxpar.train.step_compiler), and the state and batches placed on its mesh."""
 
 from __future__ import annotations
 
@@ -10,85 +11,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import ConfigError
 from jaxpar.session import Session
-from jaxpar.model import Transformer, is_block_model
-from jaxpar.train import local_sgd
-from jaxpar.parallel import Layout, PipelinePlan, layout_rules
-from jaxpar.train.optim import Optimizer
-from jaxpar.validation import check_model_fits
-from jaxpar.train.precision import COMPUTE_DTYPES, LossScale
-from jaxpar.train.step import TrainState, make_eval_step, make_train_step
+from jaxpar.train.state_plan import StatePlan
+from jaxpar.train.step import TrainState
+from jaxpar.train.step_compiler import compile_steps
 
 
 class Trainer:
-    """Builds the jitted, sharded pieces of training for one session (config on its mesh).
-
-    The state is never materialized unsharded: its shapes come from `eval_shape`, its
-    shardings from the layout (rules table + ZeRO stage), and `init` runs under
-    `jit(out_shardings=...)`. Stacked layers are stored in the pipeline plan's order; the
-    `to_model_order` view is what checkpoints, evaluation and verification see.
-    """
+    """A session's state plan and jitted steps: `init()` and `step(state, batch)`, `eval_loss(params,
+    batch)`, and placing states and batches on the mesh. `model` (a builder from nnx.Rngs; None:
+    jaxpar's Transformer) and `rules` (its own logical names) are kept as given, for a reference
+    trainer of the same model on another config."""
 
     def __init__(self, session: Session, model: Callable[[nnx.Rngs], nnx.Module] | None = None,
                  rules: Mapping | None = None):
-        cfg = self.cfg = session.cfg
-        self.mesh = mesh = session.mesh
-        # model(rngs) builds the module to train (None: jaxpar's Transformer for cfg.model); its own
-        # logical axis names join the rules table through `rules`. Both are kept as given, for a
-        # reference trainer of the same model on another config.
-        self.model, self.rules = model, rules
-        if model is not None and cfg.model.from_hf:
-            raise ConfigError("model.from_hf loads a checkpoint into jaxpar's Transformer; a module of your own "
-                              "(model=...) cannot take it.")
-        self._build = model or (lambda rngs: Transformer(cfg.model, rngs=rngs))
-        abstract_model = nnx.eval_shape(lambda: self._build(nnx.Rngs(cfg.train.seed)))
-        block_model = is_block_model(abstract_model)
-        check_model_fits(block_model, type(abstract_model).__name__, cfg, session.mesh_sizes)
-        self.graphdef, abstract_params = nnx.split(abstract_model)
-        self.session = session
-        stacked_at = abstract_model.STACKED_AT if block_model else ()
-        rules = {**layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence),
-                 **(rules or {})}
-        self.layout = Layout.build(mesh, abstract_params, stacked_at, cfg.parallel.zero,
-                                   COMPUTE_DTYPES[cfg.train.precision], rules,
-                                   COMPUTE_DTYPES[cfg.parallel.grad_reduce_dtype])
-        self.pipeline = PipelinePlan.build(cfg.parallel.pipeline, self.layout.sizes["stage"],
-                                           abstract_model.stacked_layers() if stacked_at else 0)
-        self.optimizer = Optimizer.build(cfg.train, abstract_params)
-        # where imported weights are placed: the synchronous layout, in model order
-        self.param_shardings = self.layout.named(self.layout.param_specs(abstract_params))
-        abstract_opt = jax.eval_shape(self.optimizer.tx.init, abstract_params)
-        self.replicated = NamedSharding(mesh, PartitionSpec())
-        # local SGD: each replica's state is laid out by the rules inside one replica, on a leading
-        # replica dimension over data; evaluation and sampling use the synchronous layout
-        self.replicas = session.mesh_sizes["data"] if cfg.parallel.sync_every > 1 else 0
-        state_layout = self.layout
-        if self.replicas:
-            state_layout = Layout.build(mesh, abstract_params, stacked_at, 0,
-                                        COMPUTE_DTYPES[cfg.train.precision], local_sgd.replica_rules(rules))
-        param_specs = state_layout.param_specs(abstract_params)
-        scalar = PartitionSpec()
-        specs = TrainState(scalar, param_specs, state_layout.opt_specs(abstract_opt), LossScale(scalar, scalar, scalar),
-                           param_specs if self.pipeline.stale_weights else None)
-        if self.replicas:
-            outer = local_sgd.OuterState(param_specs, param_specs) if cfg.parallel.outer == "nesterov" else None
-            specs = dataclasses.replace(local_sgd.per_replica(specs), outer=outer)
-        opt_memory = "pinned_host" if cfg.train.offloads_optimizer else None
-        self.state_shardings = dataclasses.replace(self.layout.named(specs), opt_state=self.layout.named(
-            specs.opt_state, opt_memory))
-        self.batch_sharding = self.layout.batch_sharding()
-        train_step = make_train_step(self.graphdef, self.optimizer, cfg, state_layout, self.pipeline)
-        if self.replicas:
-            train_step = local_sgd.make_local_step(train_step, cfg.parallel, self.replicas)
-        self.step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding),
-                            out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
-        eval_step = make_eval_step(self.graphdef, cfg.train.precision, self.layout, self.pipeline)
-        self.eval_loss = jax.jit(lambda params, tokens_BT: eval_step(self.weights(params), tokens_BT),
-                                 in_shardings=(self.state_shardings.params, self.batch_sharding),
-                                 out_shardings=self.replicated)
+        self.session, self.model, self.rules = session, model, rules
+        self.plan = plan = StatePlan.build(session, model, rules)
+        self.cfg, self.mesh, self.graphdef = session.cfg, session.mesh, plan.graphdef
+        self.layout, self.pipeline, self.optimizer = plan.layout, plan.pipeline, plan.optimizer
+        self.state_shardings, self.param_shardings = plan.state_shardings, plan.param_shardings
+        self.batch_sharding, self.replicated, self.strategy = plan.batch_sharding, plan.replicated, plan.strategy
+        self.precision = plan.precision
+        self.step, self.eval_loss = compile_steps(plan)
 
     def init(self) -> TrainState:
         """Create the initial state directly in its sharded layout: from model.from_hf's weights (each
@@ -104,32 +49,18 @@ class Trainer:
         """The shapes, dtypes and shardings of the state `init` creates, without creating it."""
         return jax.eval_shape(self._create_fresh)
 
-    def _state_from(self, params) -> TrainState:
-        """The initial state around `params` (model order): optimizer and loss-scale state, 2BW's
-        stale copy, and under local SGD one replica per data-parallel rank."""
-        cfg = self.cfg
-        params = self.pipeline.from_model_order(params)
-        state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.tx.init(params),
-                           LossScale.initial(cfg.train.precision), params if self.pipeline.stale_weights else None)
-        if not self.replicas:
-            return state
-        outer = local_sgd.OuterState.initial(params) if cfg.parallel.outer == "nesterov" else None
-        return dataclasses.replace(local_sgd.stacked(state, self.replicas), outer=outer)
-
     @functools.cached_property
     def _create_fresh(self):
-        seed = self.cfg.train.seed
-        return jax.jit(lambda: self._state_from(nnx.state(self._build(nnx.Rngs(seed)))),
-                       out_shardings=self.state_shardings)
+        return jax.jit(lambda: self.plan.initial_state(self.plan.fresh_params()), out_shardings=self.state_shardings)
 
     @functools.cached_property
     def _create_from(self):
-        return jax.jit(self._state_from, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings)
+        return jax.jit(self.plan.initial_state, in_shardings=(self.param_shardings,),
+                       out_shardings=self.state_shardings)
 
     def weights(self, params):
-        """The one set of weights a model runs with (evaluation, samples): the stored parameters,
-        or under local SGD the mean of the replicas' (identical right after a synchronization)."""
-        return local_sgd.replica_mean(params) if self.replicas else params
+        """The one set of weights a model runs with (evaluation, samples): see StatePlan.weights."""
+        return self.plan.weights(params)
 
     def to_model_order(self, tree):
         """Stacked leaves (in params or optimizer state) as the model orders its layers."""

@@ -10,28 +10,18 @@ import jax
 import numpy as np
 
 from jaxpar.session import Session, on_devices
+from jaxpar.switches import reference_overrides
 from jaxpar.train.checkpoint import flat_by_path
 from jaxpar.train.trainer import Trainer
 
-# (loss, parameters) maximum relative errors accepted, by compute precision.
-TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (5e-3, 1e-2), "fp16": (5e-3, 1e-2)}
 DEFAULT_STEPS = 3
 
 
 def reference_config(cfg):
-    """The single-device, fp32, ZeRO-0, no-remat, no-offload, no-accumulation version of a config,
-    with the plain L x L attention (so flash and cuDNN attention are checked against it)."""
-    return cfg.replace(**{"mesh.data": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.stage": 1,
-                          "train.grad_accum": 1, "train.precision": "fp32", "train.remat": "none",
-                          "train.offload": "none", "parallel.zero": 0, "parallel.sequence": False,
-                          "parallel.grad_reduce_dtype": "fp32", "model.attention": "dot"})
-
-
-def tolerances(cfg) -> tuple[float, float]:
-    """(loss, parameters) tolerances: those of the compute precision, or bf16's when gradients
-    are reduced in bf16."""
-    low = cfg.train.precision if cfg.train.precision != "fp32" else "bf16"
-    return TOLERANCES[low if cfg.parallel.grad_reduce_dtype == "bf16" else cfg.train.precision]
+    """The single-device version of a config: every layout switch as the reference takes it
+    (jaxpar.switches: one device, fp32, ZeRO-0, no remat, offload or accumulation, plain L x L
+    attention, so flash and cuDNN attention are checked against it)."""
+    return cfg.replace(**reference_overrides())
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -43,11 +33,11 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     and `rules`: a module of your own and its rules, as for Trainer."""
     cfg = session.cfg
     layout = Trainer(session, model, rules)
-    if layout.replicas:  # local SGD: against R single-device replicas synchronized by NumPy
+    if layout.strategy.replicas:  # local SGD: against R single-device replicas synchronized by NumPy
         from jaxpar.train.verify_local import verify_local
 
         loss_errors, errors = verify_local(session, layout, reference_config(cfg), cfg.train.steps, log)
-        loss_tol, param_tol = tolerances(cfg)
+        loss_tol, param_tol = session.precision.tolerances
         return {"ok": bool(max(loss_errors) <= loss_tol and max(errors.values()) <= param_tol),
                 "layout": session.layout_name(), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
                 "param_max_rel_err": max(errors.values())}
@@ -74,13 +64,13 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
     errors = {key: _rel(np.asarray(a), np.asarray(ref[key])) for ref in [flat_by_path(ref_params)]
               for key, a in flat_by_path(params).items()}
-    loss_tol, param_tol = tolerances(cfg)
+    loss_tol, param_tol = session.precision.tolerances
     result = {"layout": session.layout_name(), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
               "param_max_rel_err": max(errors.values())}
     judged = errors
     if moe_layers:
         result["routing_changes"] = moved
-        if moved and cfg.train.precision != "fp32":
+        if moved and not session.precision.exact:
             # Low-precision activations route some tokens differently from the fp32 reference, and
             # a moved token changes its experts' and the router's gradients outright. Those weights
             # are reported, not judged; every other weight is judged at the usual tolerance.
@@ -89,7 +79,7 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
             judged = {k: e for k, e in errors.items() if k not in moe}
             result["param_max_rel_err"] = max(judged.values())
     result["ok"] = bool(max(loss_errors) <= loss_tol and max(judged.values()) <= param_tol
-                        and (cfg.train.precision != "fp32" or not result.get("routing_changes")))
+                        and not (session.precision.exact and result.get("routing_changes")))
     return {"ok": result.pop("ok"), **result}
 
 

@@ -43,7 +43,7 @@ def verify_local(session: Session, layout, reference_cfg, steps: int, log) -> tu
     from jaxpar.train.trainer import Trainer
 
     cfg, p = session.cfg, session.cfg.parallel
-    R = layout.replicas
+    R = layout.strategy.replicas
     rows = cfg.train.batch_size // R
     reference = Trainer(on_devices(reference_cfg.replace(**{"train.batch_size": rows, "parallel.sync_every": 1}),
                                    jax.local_devices()[:1]), layout.model, layout.rules)

@@ -1,10 +1,9 @@
-"""Mixed precision: compute dtypes, and dynamic loss scaling for fp16.
+"""Dynamic loss scaling (the precision policy's `loss_scaling`: fp16), and skipping non-finite steps.
 
-Master weights stay fp32; the forward pass runs on a cast copy, so gradients arrive in fp32.
-fp16 needs loss scaling: its smallest normal value is 6e-5, and small gradients would
-underflow to zero. The loss is multiplied by a scale before differentiation and the
-gradients divided by it after. A non-finite gradient halves the scale and skips the update;
-`window` good steps in a row double it.
+Master weights stay fp32 and the forward pass runs on a cast copy (jaxpar.precision), so
+gradients arrive in fp32. Under loss scaling the loss is multiplied by a scale before
+differentiation and the gradients divided by it after. A non-finite gradient halves the scale
+and skips the update; `loss_scale_window` good steps in a row double it.
 """
 
 from __future__ import annotations
@@ -14,16 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-INITIAL_FP16_SCALE = 2.0 ** 15
-
-
-def cast_for_compute(params, precision: str):
-    """Cast floating parameters to the compute dtype; gradients flow back to fp32 through the cast."""
-    dtype = COMPUTE_DTYPES[precision]
-    if dtype == jnp.float32:
-        return params
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+from jaxpar.precision import PrecisionPolicy
 
 
 @jax.tree_util.register_dataclass
@@ -36,10 +26,10 @@ class LossScale:
     skipped_steps: jax.Array
 
     @staticmethod
-    def initial(precision: str) -> "LossScale":
-        """2^15 for fp16; a constant 1 (never changed) otherwise."""
-        scale = INITIAL_FP16_SCALE if precision == "fp16" else 1.0
-        return LossScale(jnp.asarray(scale, jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+    def initial(policy: PrecisionPolicy) -> "LossScale":
+        """The policy's initial scale (2^15 for fp16; a constant 1, never changed, otherwise)."""
+        return LossScale(jnp.asarray(policy.initial_loss_scale, jnp.float32), jnp.zeros((), jnp.int32),
+                         jnp.zeros((), jnp.int32))
 
     def update(self, finite: jax.Array, window: int) -> "LossScale":
         """Halve and count a skip on overflow; double after `window` good steps in a row."""

@@ -1,0 +1,255 @@
+"""1F1B, interleaved 1F1B and PipeDream-2BW: every tick of the table in a scan, with an explicit
+backward. By default a forward tick keeps the residuals of its `jax.vjp` (what backward needs; the
+weights themselves are not copied) in a stash slot per in-flight microbatch, so memory stays
+bounded by the schedule, and a backward tick applies the received cotangent to them: no forward
+runs twice. With `recompute`, a forward tick keeps only the chunk's input and the backward tick
+recomputes the chunk from it (4/3 of the FLOPs, least memory)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.parallel.pipeline import (B_LAST, B_MID, F_FIRST, F_LAST, F_MID, TICK_SCOPE, StageFns, action_arrays,
+                                      chunk_params, local_layers, microbatch, zeros_like_shapes)
+from jaxpar.parallel.schedules import Table, stash_size
+
+
+class _Residuals:
+    """What a `jax.vjp` keeps for backward, as a list of arrays that can be stored, minus the
+    weights themselves (backward takes them from the step's parameters instead).
+
+    fn(params, x, *consts) -> (out, stats) is differentiated with respect to params and x;
+    `split` runs the forward and returns its output, stats and the storable residuals;
+    `pullback` rebuilds the vjp from stored residuals. The vjp's structure comes from tracing
+    the same forward again inside the backward branch; that forward's results are unused
+    there, and the compiler drops it as dead code.
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def _trace(self, params, x, *consts):
+        out, vjp, stats = jax.vjp(lambda p, x: self.fn(p, x, *consts), params, x, has_aux=True)
+        leaves, tree = jax.tree_util.tree_flatten(vjp)
+        weights = {id(w): i for i, w in enumerate(jax.tree.leaves(params))}
+        is_weight = [weights.get(id(leaf)) for leaf in leaves]
+        return out, stats, leaves, tree, is_weight
+
+    def split(self, params, x, *consts):
+        out, stats, leaves, _, is_weight = self._trace(params, x, *consts)
+        return out, stats, [leaf for leaf, w in zip(leaves, is_weight) if w is None]
+
+    def shapes(self, params, x, *consts) -> list:
+        """Shapes and dtypes of the storable residuals."""
+        return jax.eval_shape(lambda *a: self.split(*a)[2], params, x, *consts)
+
+    def pullback(self, stored: list, params, x, *consts):
+        _, _, _, tree, is_weight = self._trace(params, x, *consts)
+        weights, stored = jax.tree.leaves(params), iter(stored)
+        return tree.unflatten([next(stored) if w is None else weights[w] for w in is_weight])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Stash:
+    """What a device keeps between the ticks of a 1F1B-type schedule, by (slot, local chunk): each
+    in-flight chunk's input `x` and its output's cotangent `g` as they arrive from the neighbours,
+    and (unless recomputing) the residuals its forward kept for its backward, a list of buffers
+    per part ("embed", "layers", "head") with one spare slot that ticks with nothing to keep
+    write into."""
+
+    x: jax.Array
+    g: jax.Array
+    residuals: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _TickInputs:
+    """What one tick's branch works on: the chunk's weights, microbatch and layer ids, the stash and
+    its slot (read inside the branch that needs it), and the sums so far."""
+
+    p: object
+    tokens: jax.Array
+    rows: object
+    ids: jax.Array
+    local_chunk: jax.Array
+    stash: Stash
+    slot: tuple
+    grads: object
+    loss_sum: jax.Array
+    stats_sum: object
+
+    @property
+    def x_in(self) -> jax.Array:
+        """The chunk's stashed input."""
+        return self.stash.x[self.slot]
+
+    @property
+    def g_in(self) -> jax.Array:
+        """The stashed cotangent of the chunk's output."""
+        return self.stash.g[self.slot]
+
+    @property
+    def stored(self) -> dict:
+        """The residuals the chunk's forward kept."""
+        return {name: [buf[self.slot] for buf in bufs] for name, bufs in self.stash.residuals.items()}
+
+
+class _OneFOneB:
+    """1F1B / interleaved / 2BW on one device: every tick of the table in a `lax.scan`, each a
+    `lax.switch` over the branches (idle, forward or backward of a first, middle or last chunk), with
+    an explicit backward from kept residuals (or, with `recompute`, from the chunk's input)."""
+
+    def __init__(self, fns: StageFns, params, is_stacked, batch_M, layer_ids, table: Table, axis: str,
+                 recompute: bool):
+        self.fns, self.is_stacked, self.batch_M, self.layer_ids = fns, is_stacked, batch_M, layer_ids
+        self.table, self.axis, self.recompute = table, axis, recompute
+        S, v = table.stages, table.virtual
+        self.K = stash_size(table)
+        self.s = jax.lax.axis_index(axis)
+        self.layers_per_chunk = local_layers(params, is_stacked) // v
+        self.compute = fns.cast(params)  # once per step; residuals refer to these weights, never copy them
+        self.branch, self.micro, self.chunk = action_arrays(table)
+        tokens0, rows0 = microbatch(batch_M, 0)
+        x_aval = jax.eval_shape(fns.embed, self.compute, tokens0)
+        self.zeros_x = jnp.zeros(x_aval.shape, x_aval.dtype)
+        self.d_aux = jnp.asarray(1.0 / table.microbatches, jnp.float32)  # the objective is the mean over microbatches
+        self.ring = S > 1 and v > 1  # interleaved chunks wrap from the last device back to the first
+        self.forward_perm = [(i, (i + 1) % S) for i in range(S if self.ring else S - 1)]
+        self.backward_perm = [((i + 1) % S, i) for i in range(S if self.ring else S - 1)]
+        self.embed = _Residuals(lambda p, tokens: (fns.embed(p, tokens), {}))
+        self.layers = _Residuals(lambda p, x, ids, rows: fns.layers(p, x, ids, rows))
+        self.head = _Residuals(lambda p, y, tokens: (fns.head_loss(p, y, tokens).astype(jnp.float32), {}))
+        chunk0 = chunk_params(self.compute, is_stacked, 0, self.layers_per_chunk)
+        ids0 = layer_ids[:self.layers_per_chunk]
+        stats_shape = jax.eval_shape(lambda *a: self.layers.split(*a)[1], chunk0, self.zeros_x, ids0, rows0)
+        self.no_stats = zeros_like_shapes(stats_shape)
+        self.kept = {} if recompute else {
+            "embed": self.embed.shapes(self.compute, tokens0),
+            "layers": self.layers.shapes(chunk0, self.zeros_x, ids0, rows0),
+            "head": self.head.shapes(self.compute, self.zeros_x, tokens0),
+        }
+        self.no_res = {name: [jnp.zeros(r.shape, r.dtype) for r in shapes] for name, shapes in self.kept.items()}
+
+    def run(self, params):
+        """(this device's share of the mean loss, sums of the layers' stats, grads)."""
+        v, M = self.table.virtual, self.table.microbatches
+        empty = jnp.zeros((self.K, v) + self.zeros_x.shape, self.zeros_x.dtype)
+        residuals = {name: [jnp.zeros((self.K + 1, v) + r.shape, r.dtype) for r in shapes]
+                     for name, shapes in self.kept.items()}
+        grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        init = (Stash(empty, empty, residuals), grads0, jnp.zeros((), jnp.float32), self.no_stats)
+        (_, grads, loss_sum, stats_sum), _ = jax.lax.scan(self.tick, init, jnp.arange(len(self.table.ticks)))
+        return loss_sum / M, stats_sum, grads
+
+    def tick(self, carry, t):
+        stash, grads, loss_sum, stats_sum = carry
+        s, K = self.s, self.K
+        b, m, c = self.branch[t, s], self.micro[t, s], self.chunk[t, s]
+        local_chunk = c // self.table.stages
+        slot = (m % K, local_chunk)
+        tokens, rows = microbatch(self.batch_M, m)
+        ids = jax.lax.dynamic_slice_in_dim(self.layer_ids, local_chunk * self.layers_per_chunk, self.layers_per_chunk)
+        inputs = _TickInputs(
+            p=chunk_params(self.compute, self.is_stacked, local_chunk, self.layers_per_chunk), tokens=tokens,
+            rows=rows, ids=ids, local_chunk=local_chunk, stash=stash, slot=slot, grads=grads, loss_sum=loss_sum,
+            stats_sum=stats_sum)
+        branches = [lambda: self.idle(inputs)]
+        branches += [lambda first=first, last=last: self.forward(inputs, first, last) for first, last in _PLACES]
+        branches += [lambda first=first, last=last: self.backward(inputs, first, last) for first, last in _PLACES]
+        with jax.named_scope(TICK_SCOPE):
+            grads, loss_sum, stats_sum, out_f, out_b, res = jax.lax.switch(b, branches)
+        # A forward's residuals go to its slot; every other tick writes the spare slot K.
+        keep_slot = (jnp.where((b >= F_FIRST) & (b <= F_LAST), m % K, K), local_chunk)
+        residuals = {name: [buf.at[keep_slot].set(r) for buf, r in zip(bufs, res[name])]
+                     for name, bufs in stash.residuals.items()}
+        stash = self.receive(dataclasses.replace(stash, residuals=residuals), t, out_f, out_b)
+        return (stash, grads, loss_sum, stats_sum), None
+
+    def receive(self, stash: Stash, t, out_f, out_b) -> Stash:
+        """Send this tick's forward output and input cotangent on, and stash what the neighbours sent:
+        what arrives is known from the table (the neighbours' actions at this tick)."""
+        s, S, K, branch, micro, chunk = self.s, self.table.stages, self.K, self.branch, self.micro, self.chunk
+        recv_f = jax.lax.ppermute(out_f, self.axis, self.forward_perm)
+        recv_b = jax.lax.ppermute(out_b, self.axis, self.backward_perm)
+        prev, nxt = (s - 1) % S, (s + 1) % S
+        got_f = ((branch[t, prev] == F_FIRST) | (branch[t, prev] == F_MID)) & ((s > 0) | self.ring)
+        f_slot = (micro[t, prev] % K, (chunk[t, prev] + 1) // S)
+        x = stash.x.at[f_slot].set(jnp.where(got_f, recv_f, stash.x[f_slot]))
+        got_b = ((branch[t, nxt] == B_MID) | (branch[t, nxt] == B_LAST)) & ((s < S - 1) | self.ring)
+        b_slot = (micro[t, nxt] % K, (chunk[t, nxt] - 1) // S)
+        g = stash.g.at[b_slot].set(jnp.where(got_b, recv_b, stash.g[b_slot]))
+        return dataclasses.replace(stash, x=x, g=g)
+
+    def idle(self, i: _TickInputs):
+        return i.grads, i.loss_sum, i.stats_sum, self.zeros_x, self.zeros_x, self.no_res
+
+    def forward(self, i: _TickInputs, first: bool, last: bool):
+        """A chunk's forward: its output goes to the next stage (the last chunk's loss is summed), and
+        its residuals to the stash (with recompute, nothing beyond the input already stashed)."""
+        fns, res, x, loss, y = self.fns, dict(self.no_res), i.x_in, jnp.zeros((), jnp.float32), None
+        if self.recompute:
+            (y, _), stats = fns.layers(i.p, fns.embed(i.p, i.tokens) if first else x, i.ids, i.rows)
+            if last:
+                loss, y = fns.head_loss(i.p, y, i.tokens).astype(jnp.float32), self.zeros_x
+        else:
+            if first:
+                x, _, res["embed"] = self.embed.split(i.p, i.tokens)
+            (y, _), stats, res["layers"] = self.layers.split(i.p, x, i.ids, i.rows)
+            if last:
+                loss, _, res["head"] = self.head.split(i.p, y, i.tokens)
+                y = self.zeros_x
+        return i.grads, i.loss_sum + loss, jax.tree.map(jnp.add, i.stats_sum, stats), y, self.zeros_x, res
+
+    def backward(self, i: _TickInputs, first: bool, last: bool):
+        """A chunk's backward from its stashed residuals (or its recomputed forward): its weight
+        gradients join the sums, its input's cotangent goes to the previous stage."""
+        if self.recompute:
+            _, vjp, _ = jax.vjp(lambda p, x: self._whole(i, p, x, first, last), i.p, i.x_in, has_aux=True)
+            chunk_grads, dx = vjp(self.d_aux if last else (i.g_in, self.d_aux))
+        else:
+            chunk_grads, dy = jax.tree.map(jnp.zeros_like, i.p), i.g_in
+            stored = i.stored
+            if last:
+                chunk_grads, dy = self.head.pullback(stored["head"], i.p, self.zeros_x, i.tokens)(self.d_aux)
+            pullback = self.layers.pullback(stored["layers"], i.p, self.zeros_x, i.ids, i.rows)
+            layer_grads, dx = pullback((dy, self.d_aux))
+            chunk_grads = jax.tree.map(jnp.add, chunk_grads, layer_grads)
+            if first:
+                embed_grads, _ = self.embed.pullback(stored["embed"], i.p, i.tokens)(dx)
+                chunk_grads = jax.tree.map(jnp.add, chunk_grads, embed_grads)
+        grads = self._add_chunk_grads(i.grads, chunk_grads, i.local_chunk)
+        return grads, i.loss_sum, i.stats_sum, self.zeros_x, self.zeros_x if first else dx, self.no_res
+
+    def _whole(self, i: _TickInputs, p, x, first: bool, last: bool):
+        """The chunk as one function for recomputation: ((output, aux), stats), or on the last chunk
+        (loss + aux, stats)."""
+        fns = self.fns
+        (y, aux), stats = fns.layers(p, fns.embed(p, i.tokens) if first else x, i.ids, i.rows)
+        if last:
+            return fns.head_loss(p, y, i.tokens).astype(jnp.float32) + aux, stats
+        return (y, aux), stats
+
+    def _add_chunk_grads(self, grads, chunk_grads, local_chunk):
+        n = self.layers_per_chunk
+        return jax.tree.map(
+            lambda g, cg, stacked: jax.lax.dynamic_update_slice_in_dim(
+                g, jax.lax.dynamic_slice_in_dim(g, local_chunk * n, n) + cg.astype(g.dtype), local_chunk * n, 0)
+            if stacked else g + cg.astype(g.dtype), grads, chunk_grads, self.is_stacked)
+
+
+# (first chunk, last chunk) of the forward and backward branches, in BRANCHES' order
+_PLACES = ((True, False), (False, False), (False, True))
+
+
+def one_f_one_b_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer_ids, table: Table,
+                               axis: str = "stage", recompute: bool = False):
+    """1F1B / interleaved / 2BW: every tick of the table, explicit per-tick backward.
+    batch_M: (tokens_MbT, rows_Mb); layer_ids: this device's stacked layers' model-order indices.
+    Returns this device's (share of the mean loss, sums of the layers' stats, grads); the loss
+    is nonzero only on the last stage."""
+    return _OneFOneB(fns, params, is_stacked, batch_M, layer_ids, table, axis, recompute).run(params)

@@ -1,0 +1,114 @@
+"""The precision policy: every dtype decision of a run, resolved once from `train.precision` and
+`parallel.grad_reduce_dtype`. Nothing else in jaxpar asks which precision a run is in; it asks
+the policy what to do.
+
+A policy names the dtype of each role, after Levanter's jmp-style policies:
+- compute: the forward and backward matmuls (the weights are cast to it at the step's start);
+- param and optimizer: the master weights and the optimizer's moments, always fp32;
+- output: the logits and the loss, always fp32 (the softmax needs the range);
+- grad_reduce: the payload of the data-parallel gradient reductions (summed into fp32 either way).
+With it come the loss scaling fp16 needs (its smallest normal value is 6e-5, so small gradients
+would underflow: the loss is scaled up before differentiation and the gradients down after, and
+a non-finite gradient halves the scale and skips the step), and verify's tolerances.
+
+Pure Python, like jaxpar.config: validation reads a policy before jax starts. The dtypes
+themselves come from jax.numpy when first asked for. A new precision (fp8, say) is one entry
+in POLICIES.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+FP32, BF16, FP16 = "float32", "bfloat16", "float16"
+FP32_TOLERANCES, HALF_TOLERANCES = (1e-5, 1e-4), (5e-3, 1e-2)  # verify's (loss, parameters) relative errors
+INITIAL_FP16_SCALE = 2.0 ** 15
+DTYPE_OF = {"fp32": FP32, "bf16": BF16, "fp16": FP16}  # the config's spellings
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPolicy:
+    """What one run computes, keeps and sends in, by role (dtype names, as jax.numpy spells them)."""
+
+    name: str  # train.precision, as the config and layout names spell it
+    compute: str
+    grad_reduce: str = FP32
+    param: str = FP32
+    optimizer: str = FP32
+    output: str = FP32
+    loss_scaling: bool = False  # dynamic loss scaling; such a policy skips every non-finite step
+    initial_loss_scale: float = 1.0
+    loss_scale_window: int = 2000  # good steps in a row before the scale doubles
+    tolerances: tuple[float, float] = FP32_TOLERANCES
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the matmuls run below fp32 (bf16 or fp16)."""
+        return self.compute != FP32
+
+    @property
+    def exact(self) -> bool:
+        """Whether a layout must match the fp32 single-device reference at fp32 tolerance (fp32 compute
+        and fp32 reductions): then even one token routed differently is a failure."""
+        return not self.reduced
+
+    def dtype(self, role: str):
+        """The jax.numpy dtype of a role: 'compute', 'param', 'optimizer', 'output' or 'grad_reduce'."""
+        import jax.numpy as jnp
+
+        return jnp.dtype(getattr(self, role))
+
+    @property
+    def compute_dtype(self):
+        return self.dtype("compute")
+
+    @property
+    def grad_reduce_dtype(self):
+        return self.dtype("grad_reduce")
+
+    def cast_to_compute(self, tree):
+        """Floating leaves in the compute dtype (gradients flow back to fp32 through the cast); in fp32,
+        the tree itself."""
+        return _cast(tree, self.compute) if self.reduced else tree
+
+    def cast_to_param(self, tree):
+        """Floating leaves in the master weights' dtype."""
+        return _cast(tree, self.param)
+
+    def cast_to_output(self, x):
+        """An array in the output dtype (logits, the loss)."""
+        return _cast(x, self.output)
+
+    def carries_loss_scale_from(self, saved_name: str) -> bool:
+        """Whether a checkpoint's loss-scale state, saved under train.precision=`saved_name`, still
+        applies: only under the same policy (a new one starts its scale afresh)."""
+        return saved_name == self.name
+
+
+def _cast(tree, dtype: str):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+POLICIES = {
+    "fp32": PrecisionPolicy("fp32", FP32),
+    "bf16": PrecisionPolicy("bf16", BF16, tolerances=HALF_TOLERANCES),
+    "fp16": PrecisionPolicy("fp16", FP16, loss_scaling=True, initial_loss_scale=INITIAL_FP16_SCALE,
+                            tolerances=HALF_TOLERANCES),
+}
+
+
+def policy(precision: str, grad_reduce: str = "fp32", loss_scale_window: int = 2000) -> PrecisionPolicy:
+    """The policy of train.precision=`precision` with parallel.grad_reduce_dtype=`grad_reduce`: a bf16
+    reduction makes an fp32 run's gradients bf16-rounded, so verify judges it at bf16's tolerances."""
+    base = POLICIES[precision]
+    reduce = DTYPE_OF[grad_reduce]
+    tolerances = base.tolerances if reduce == FP32 or base.reduced else HALF_TOLERANCES
+    return dataclasses.replace(base, grad_reduce=reduce, tolerances=tolerances, loss_scale_window=loss_scale_window)
+
+
+def of(cfg) -> PrecisionPolicy:
+    """The policy of a Config."""
+    return policy(cfg.train.precision, cfg.parallel.grad_reduce_dtype, cfg.train.loss_scale_window)

@@ -1,0 +1,66 @@
+"""A Config from a YAML preset and dotted key=value overrides, with model.from_hf's shape filled in.
+
+Pure Python like jaxpar.config: the CLI builds the config before jax starts. Presets in configs/
+hold only what differs from the dataclass defaults and may name a preset to extend
+(`extends: default.yaml`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from jaxpar.config import Config, ConfigError, apply_overrides, flatten_dict, quoted
+from jaxpar.interop.hf_config import resolve
+
+
+def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+    """Read a preset, following 'extends: other.yaml' (relative to the preset's folder)."""
+    if not path.is_file():
+        raise ConfigError(f"config file {quoted(path)} does not exist.")
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {quoted(path)} extends itself in a loop.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, ValueError, OverflowError) as e:  # ValueError: not UTF-8, or a date like 2020-13-45
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"config file {quoted(path)} is not valid YAML ({first_line}).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {quoted(path)} must hold a mapping of sections.")
+    parent = data.pop("extends", None)
+    if parent is not None and not isinstance(parent, str):
+        raise ConfigError(f"'extends' in {quoted(path)} must name another preset file, got {parent!r}.")
+    base = _read_yaml(path.parent / parent, seen + (path.resolve(),)) if parent else {}
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"section {quoted(section)} in {quoted(path)} must be a mapping of keys.")
+    return _merge(base, data)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        merged[key] = _merge(merged.get(key, {}), value) if isinstance(value, dict) else value
+    return merged
+
+
+def parse_override(arg: str) -> tuple[str, str]:
+    """Split 'train.steps=10' into ('train.steps', '10') with a clear error otherwise."""
+    key, sep, value = arg.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"argument {quoted(arg)} is neither a .yaml file nor a key=value override.")
+    return key.strip(), value
+
+
+def load_config(path: str | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """Build a Config from defaults, an optional YAML preset and key=value overrides, with the shape of
+    model.from_hf's checkpoint filled in."""
+    cfg, given = Config(), set()
+    if path is not None:
+        preset = _read_yaml(Path(path))
+        cfg, given = apply_overrides(cfg, preset), set(flatten_dict(preset))
+    if overrides:
+        pairs = dict(parse_override(o) for o in overrides) if isinstance(overrides, list) else overrides
+        cfg, given = apply_overrides(cfg, pairs), given | set(flatten_dict(pairs))
+    return resolve(cfg, given)
