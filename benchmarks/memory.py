@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from common import RESULTS, device_line, markdown, pyplot, save_figure, trainer_on
+
 from jaxpar.presets import load_config
 from jaxpar.runtime import setup_devices
 
@@ -221,7 +222,7 @@ def markdown_c2(c2: dict) -> str:
     for remat in REMATS_C2:
         coll = c2["collectives"][remat]
 
-        def split(key: str, op: str) -> str:
+        def split(key: str, op: str, coll=coll) -> str:
             parts = coll[key]["by_axes"][op]
             return "; ".join(f"{axes}: {b:,d}" for axes, b in sorted(parts.items())) or "-"
 
@@ -230,8 +231,9 @@ def markdown_c2(c2: dict) -> str:
         cells2 = [[op, f"{coll['false']['total'][op]:,d}", f"{coll['true']['total'][op]:,d}",
                    f"{coll['false']['sent'][op]:,d}", f"{coll['true']['sent'][op]:,d}", split("false", op),
                    split("true", op)] for op in COLLECTIVES]
-        cells2.append(["total", f"{sum(coll['false']['total'].values()):,d}", f"{sum(coll['true']['total'].values()):,d}",
-                       f"{sum(coll['false']['sent'].values()):,d}", f"{sum(coll['true']['sent'].values()):,d}", "", ""])
+        cells2.append(["total", f"{sum(coll['false']['total'].values()):,d}",
+                       f"{sum(coll['true']['total'].values()):,d}", f"{sum(coll['false']['sent'].values()):,d}",
+                       f"{sum(coll['true']['sent'].values()):,d}", "", ""])
         text += (f"\n\nCollective bytes per step and device at L={COLLECTIVE_L}, remat={remat} (size: each "
                  "result's bytes x executions; sent: what each device sends with ring algorithms; axes: by "
                  "result size)\n\n" + markdown(header2, cells2))
@@ -243,7 +245,8 @@ def plot(rows: list[dict], remat: dict, path: Path) -> None:
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(14, 5.5))
     xs = range(len(rows))
     bottom = [0.0] * len(rows)
-    for name, key, color in (("params", "params_bytes", "tab:blue"), ("optimizer state", "opt_state_bytes", "tab:orange"),
+    for name, key, color in (("params", "params_bytes", "tab:blue"),
+                             ("optimizer state", "opt_state_bytes", "tab:orange"),
                              ("temporaries", "temp_bytes", "tab:gray")):
         heights = [r[key] / MIB for r in rows]
         left.bar([x - 0.12 for x in xs], heights, 0.55, bottom=bottom, label=name, color=color)

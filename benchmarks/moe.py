@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import (RESULTS, host_batches, markdown, pyplot, run_line, save_figure, step_parser, time_trainer,
-                    trainer_on)
+from common import RESULTS, host_batches, markdown, pyplot, run_line, save_figure, step_parser, time_trainer, trainer_on
+
 from jaxpar.presets import load_config
 from jaxpar.runtime import setup_devices
 from jaxpar.session import on_devices

@@ -50,9 +50,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import RESULTS, pyplot, save_figure
-from peer_sides import (BATCH, D_MODEL, DEFAULT_CACHE, DEVICES, HEADS, JAXPAR_D_FF, LAYERS, LAYOUTS,
-                        MAXTEXT_MLP_DIM, MAXTEXT_REQUIREMENT, REPO, SEQ, VOCAB, BenchFailed, Layout,
-                        ensure_maxtext, maxtext_base_yml, run_jaxpar, run_maxtext, say)
+from peer_sides import (
+    BATCH,
+    D_MODEL,
+    DEFAULT_CACHE,
+    DEVICES,
+    HEADS,
+    JAXPAR_D_FF,
+    LAYERS,
+    LAYOUTS,
+    MAXTEXT_MLP_DIM,
+    MAXTEXT_REQUIREMENT,
+    REPO,
+    SEQ,
+    VOCAB,
+    BenchFailed,
+    Layout,
+    ensure_maxtext,
+    maxtext_base_yml,
+    run_jaxpar,
+    run_maxtext,
+    say,
+)
 
 DEFAULT_OUT = RESULTS / "peer_maxtext.png"
 

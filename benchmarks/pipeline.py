@@ -35,8 +35,19 @@ import sys
 import time
 from pathlib import Path
 
-from common import (RESULTS, host_batches, markdown, parse_steps, pyplot, run_line, save_figure, step_parser,
-                    time_trainer, trainer_on)
+from common import (
+    RESULTS,
+    host_batches,
+    markdown,
+    parse_steps,
+    pyplot,
+    run_line,
+    save_figure,
+    step_parser,
+    time_trainer,
+    trainer_on,
+)
+
 from jaxpar.presets import load_config
 from jaxpar.runtime import setup_devices
 
@@ -68,8 +79,8 @@ def run_layout(label: str, overrides: list[str], batches: list[np.ndarray]) -> d
     seconds, _, _ = time_trainer(trainer, batches, ARGS.warmup)
     tokens = cfg.train.batch_size * cfg.model.seq_len
     print(f"{label}: {seconds * 1e3:.1f} ms/step, done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return {"flops": plan["flops"], "executed_flops": plan["executed_flops"], "temp_bytes": plan["temp_bytes"], "median_step_ms": seconds * 1e3,
-            "tokens_per_s": tokens / seconds, "table": trainer.pipeline.table}
+    return {"flops": plan["flops"], "executed_flops": plan["executed_flops"], "temp_bytes": plan["temp_bytes"],
+            "median_step_ms": seconds * 1e3, "tokens_per_s": tokens / seconds, "table": trainer.pipeline.table}
 
 
 def markdown_table(ref: dict, rows: list[dict]) -> str:

@@ -26,7 +26,8 @@ from common import RESULTS, host_batches, load_settings, markdown, parse_steps, 
 parser = step_parser(__doc__, steps=4, warmup=2, config_file=True, steps_help="timed steps per layout and round "
                      "(default %(default)s)")
 parser.add_argument("--rounds", type=int, default=3, help="rounds over all layouts (default %(default)s)")
-parser.add_argument("--each", type=int, default=5, help="how many of the fastest and of the slowest (default %(default)s)")
+parser.add_argument("--each", type=int, default=5,
+                    help="how many of the fastest and of the slowest (default %(default)s)")
 parser.add_argument("--processes", type=int, default=2, help="processes compiling layouts (default %(default)s)")
 ARGS = parse_steps(parser)
 if ARGS.rounds < 1 or ARGS.each < 1:

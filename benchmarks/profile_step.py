@@ -27,6 +27,7 @@ import sys
 import tempfile
 
 from common import load_settings, parse_steps, step_parser
+
 from jaxpar.runtime import setup_devices
 
 parser = step_parser(__doc__, steps=3, warmup=2, config_file=True, steps_help="traced steps (default %(default)s)",
@@ -115,7 +116,8 @@ def main() -> int:
         if not name.startswith("Wait") and name != "Rendezvous":
             by_op[name] += seconds / per
     total = sum(by_category.values())
-    print(f"{session.mesh_name()}, zero {session.cfg.parallel.zero}, {session.cfg.train.precision}, remat {session.cfg.train.remat}: "
+    print(f"{session.mesh_name()}, zero {session.cfg.parallel.zero}, {session.cfg.train.precision}, "
+          f"remat {session.cfg.train.remat}: "
           f"{total * 1e3:.1f} ms of thread time per step and device\n")
     print("| category | ms | share |\n| --- | --- | --- |")
     for name, seconds in by_category.most_common():
@@ -124,7 +126,8 @@ def main() -> int:
     for name, seconds in by_op.most_common(ARGS.top):
         opcode, shape, _ = ops.get(name, ("?", "?", ""))
         print(f"| {name} | {opcode} | {shape} | {seconds * 1e3:.1f} | {seconds / total:.1%} |")
-    print(json.dumps({"layout": session.mesh_name(), "zero": session.cfg.parallel.zero, "precision": session.cfg.train.precision,
+    print(json.dumps({"layout": session.mesh_name(), "zero": session.cfg.parallel.zero,
+                      "precision": session.cfg.train.precision,
                       "ms_per_step_device": round(total * 1e3, 2),
                       "categories": {k: round(v / total, 4) for k, v in by_category.most_common()}}))
     return 0

@@ -22,8 +22,18 @@ from __future__ import annotations
 import json
 import sys
 
-from common import (host_batches, load_settings, markdown, parse_steps, run_line, step_parser, time_steps,
-                    time_trainer, trainer_on)
+from common import (
+    host_batches,
+    load_settings,
+    markdown,
+    parse_steps,
+    run_line,
+    step_parser,
+    time_steps,
+    time_trainer,
+    trainer_on,
+)
+
 from jaxpar.config import ConfigError
 from jaxpar.runtime import setup_devices
 from jaxpar.validation import validate

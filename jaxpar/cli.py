@@ -15,8 +15,8 @@ import os
 import sys
 
 from jaxpar.config import ConfigError, flatten_dict
-from jaxpar.presets import load_config, parse_override
 from jaxpar.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, RunFailed, UserError
+from jaxpar.presets import load_config, parse_override
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -71,9 +71,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from jaxpar.session import prepare
 
     session = prepare(cfg)
-    from jaxpar.train.verify import verify
-
     from jaxpar import distributed
+    from jaxpar.train.verify import verify
 
     primary = not distributed.is_secondary()  # process 0 reports for a multi-process run
     result = verify(session, log=lambda line: print(line, file=sys.stderr) if primary else None)
@@ -131,8 +130,8 @@ def _plan_search(args: argparse.Namespace) -> int:
     from jaxpar.runtime import setup_devices
 
     devices = setup_devices(cfg)
-    from jaxpar.plan import search_report
     from jaxpar.hardware import PROFILES, for_device_kind
+    from jaxpar.plan import search_report
     from jaxpar.plan.calibrate import profile
     from jaxpar.plan.model_flops import flops_per_token
     from jaxpar.plan.search import search
@@ -175,7 +174,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
     meta = tokenize(args.input, args.out, args.vocab_size, args.tokenizer, progress=not args.no_progress)
     print(f"{meta['tokens']:,} tokens ({meta['dtype']}, vocabulary {meta['vocab_size']}) in {len(meta['shards'])} "
-          f"shard(s) under {args.out}/; train on them with data.source={args.out} model.vocab_size={meta['vocab_size']}")
+          f"shard(s) under {args.out}/; train on them with data.source={args.out} "
+          f"model.vocab_size={meta['vocab_size']}")
     print(json.dumps({k: meta[k] for k in ("vocab_size", "dtype", "tokens", "inputs_sha256")}))
     return 0
 
@@ -277,7 +277,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--memory-gb", type=float, help="memory budget per device in GB (default: the profile's memory)")
     p.add_argument("--top", type=int, help=f"rows of the ranked table (default {DEFAULT_TOP})")
     p.add_argument("--processes", type=int, default=0,
-                   help=f"processes compiling layouts at once (default 0: one per core, at most {MAX_SEARCH_PROCESSES})")
+                   help="processes compiling layouts at once "
+                        f"(default 0: one per core, at most {MAX_SEARCH_PROCESSES})")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --search")
 
 
@@ -288,7 +289,8 @@ def _add_open_weights(sub) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (run.dir)")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the written weights (default bf16)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="dtype of the written weights (default bf16)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p = _add_command(sub, "generate", cmd_generate, "continue a prompt with a trained or imported model "
                                                     "(key/value cache; greedy or sampled)")

@@ -63,7 +63,8 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary positions (Qwen 3)
     mlp: Literal["gelu", "swiglu"] = "gelu"
     # dot: the L x L scores; flash: blockwise, O(L) memory on any backend; cudnn: jax.nn.dot_product_attention's
-    # cuDNN kernel (GPU, bf16/fp16); auto: cudnn where it runs, else flash when the sequence spans several blocks, else dot
+    # cuDNN kernel (GPU, bf16/fp16); auto: cudnn where it runs, else flash when the sequence spans several blocks,
+    # else dot
     attention: Literal["dot", "flash", "cudnn", "auto"] = "dot"
     flash_block_q: int = 512  # query positions per flash block (at most seq_len)
     flash_block_kv: int = 512  # key positions per flash block (at most seq_len)
@@ -128,7 +129,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     eval_batches: int = 8
-    eval_every: int = 0  # validation loss every N steps as well (a `val_loss` in that step's metrics line); 0: at the end only
+    # validation loss every N steps as well (a `val_loss` in that step's metrics line); 0: at the end only
+    eval_every: int = 0
     sample_tokens: int = 160  # greedy sample at the end of a run; 0 writes none
     optimizer: Literal["adamw", "adafactor"] = "adamw"
     remat: Literal["none", "dots", "full", "sqrt"] = "none"  # in the order of what each recomputes
@@ -202,7 +204,7 @@ class RunConfig:
     how long a silent process may go before the others declare it lost (seconds)."""
 
     dir: str = "runs/default"
-    devices: Union[int, str] = "auto"
+    devices: int | str = "auto"
     heartbeat_timeout: float = 30.0
     tensorboard: bool = False  # also write the metrics as TensorBoard event files under <dir>/tensorboard
 
@@ -219,7 +221,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
 
-    def replace(self, **sections) -> "Config":
+    def replace(self, **sections) -> Config:
         """Return a copy with whole sections or dotted keys ('train.steps') replaced."""
         return apply_overrides(self, sections)
 

@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
 
 from jaxpar.config import ConfigError
 from jaxpar.errors import EXIT_LOST, RunFailed
@@ -34,7 +34,6 @@ ENV_LOCAL_DEVICES = "JAXPAR_LOCAL_DEVICES"  # emulated CPU devices per process (
 _KEY_PREFIX = "jaxpar/alive/"
 _TRIES, _RETRY_SLEEP_S = 3, 1.0  # a coordinator call that fails for no expected reason is tried this often
 _SHARE_TIMEOUT_MS = 120_000  # how long share() waits for a peer's value (the peers are at most a read behind)
-_T = TypeVar("_T")
 
 
 class CoordinatorFailed(RunFailed):
@@ -100,7 +99,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxpar-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread.start()
         return self
 
@@ -279,7 +278,7 @@ def share(value: str) -> list[str]:
             for peer in range(jax.process_count())]
 
 
-def ask_coordinator(what: str, call: Callable[[], _T], expected: str | None = None) -> _T | None:
+def ask_coordinator[T](what: str, call: Callable[[], T], expected: str | None = None) -> T | None:
     """`call()` on the coordinator's key-value store, which reports errors as a JaxRuntimeError whose
     text starts with an absl status ("NOT_FOUND: ..."). Returns None when it fails with the `expected`
     status; retries any other failure a few times, then raises CoordinatorFailed saying that `what` failed."""

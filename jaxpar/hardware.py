@@ -65,9 +65,12 @@ def _gpu(name: str, bf16_tflops: float, tf32_tflops: float, memory_gb: float, hb
 
 
 GPU_PROFILES = {
-    "h100": _gpu("h100", 989, 495, 80, 3.35, 450, 50, "NVIDIA H100 SXM5 datasheet; DGX H100 (8 GPUs, 400 Gb/s per GPU)"),
-    "h200": _gpu("h200", 989, 495, 141, 4.8, 450, 50, "NVIDIA H200 SXM datasheet; HGX H200 (8 GPUs, 400 Gb/s per GPU)"),
-    "a100": _gpu("a100", 312, 156, 80, 2.039, 300, 25, "NVIDIA A100 80GB SXM4 datasheet; DGX A100 (8 GPUs, 200 Gb/s per GPU)"),
+    "h100": _gpu("h100", 989, 495, 80, 3.35, 450, 50,
+                 "NVIDIA H100 SXM5 datasheet; DGX H100 (8 GPUs, 400 Gb/s per GPU)"),
+    "h200": _gpu("h200", 989, 495, 141, 4.8, 450, 50,
+                 "NVIDIA H200 SXM datasheet; HGX H200 (8 GPUs, 400 Gb/s per GPU)"),
+    "a100": _gpu("a100", 312, 156, 80, 2.039, 300, 25,
+                 "NVIDIA A100 80GB SXM4 datasheet; DGX A100 (8 GPUs, 200 Gb/s per GPU)"),
 }
 PROFILES = (*GPU_PROFILES, "cpu")
 # device_kind substrings of the GPUs that have a profile, most specific first ("H100 PCIe" has less)

@@ -14,7 +14,7 @@ Pure Python, like jaxpar.config: the CLI validates before jax starts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from jaxpar.config import MESH_AXES, Config
 

@@ -197,7 +197,8 @@ def _validate_offload_and_local_sgd(cfg: Config, sizes: dict[str, int]) -> None:
     if p.sync_every == 1:
         return
     if sizes["data"] == 1:
-        raise ConfigError(f"parallel.sync_every={p.sync_every} (local SGD) needs data-parallel replicas: mesh.data > 1.")
+        raise ConfigError(f"parallel.sync_every={p.sync_every} (local SGD) needs data-parallel replicas: "
+                          "mesh.data > 1.")
     clash = not_with_local_sgd(cfg, sizes) + (["model.moe.experts"] if cfg.model.moe.experts > 0 else [])
     if clash:
         raise ConfigError(f"parallel.sync_every={p.sync_every} (local SGD: whole replicas over mesh.data, tensor "
@@ -243,8 +244,8 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
     tokens = routed_tokens_per_device(cfg, sizes)
     if moe.group_size < 0 or (moe.group_size and tokens % moe.group_size):
         raise ConfigError(f"model.moe.group_size={moe.group_size} does not divide the {tokens} tokens per device "
-                          f"(train.batch_size / (data x expert x microbatches) x model.seq_len, microbatches being train.grad_accum or "
-                          f"parallel.pipeline.microbatches); leave it 0 to fit.")
+                          "(train.batch_size / (data x expert x microbatches) x model.seq_len, microbatches being "
+                          "train.grad_accum or parallel.pipeline.microbatches); leave it 0 to fit.")
 
 
 MAX_AUTO_GROUP = 256
@@ -287,7 +288,8 @@ def _validate_model_shape(m, tensor: int) -> None:
         if getattr(m, key) % tensor:
             raise ConfigError(f"model.{key}={getattr(m, key)} is not divisible by mesh.tensor={tensor}.")
     if m.padded_vocab % tensor:
-        padded = "" if m.vocab_multiple == 1 else f" (padded to {m.padded_vocab} by model.vocab_multiple={m.vocab_multiple})"
+        padded = ("" if m.vocab_multiple == 1
+                  else f" (padded to {m.padded_vocab} by model.vocab_multiple={m.vocab_multiple})")
         raise ConfigError(f"model.vocab_size={m.vocab_size}{padded} is not divisible by mesh.tensor={tensor}; pad it "
                           f"with model.vocab_multiple={tensor} (the padded rows never win, and export drops them).")
     _validate_rope(m)

@@ -7,7 +7,6 @@ import pytest
 
 from jaxpar.cli import main
 
-
 # case -> (arguments, where {tmp} is a scratch folder; words the error must contain)
 BAD_INPUTS = {
     "mesh product": (["mesh.data=3", "mesh.tensor=2"], "multiply to 6 but there are 8 devices"),
@@ -41,8 +40,9 @@ BAD_INPUTS = {
     "no devices": (["run.devices=0"], "run.devices must be 'auto' or a positive number, got 0."),
     "layers not divisible by stages": (["mesh.data=2", "mesh.stage=4", "model.n_layers=6"],
                                        "model.n_layers=6 is not divisible by mesh.stage x virtual stages"),
-    "layers not divisible by virtual stages": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
-                                                "parallel.pipeline.virtual=4"], "is not divisible by mesh.stage x virtual"),
+    "layers not divisible by virtual stages": (
+        ["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.virtual=4"],
+        "is not divisible by mesh.stage x virtual"),
     "1f1b with fewer microbatches than stages": (["mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=2"],
                                                  "needs at least as many microbatches as stages"),
     "batch not divisible by microbatches x data": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.microbatches=16"],

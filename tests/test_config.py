@@ -5,10 +5,9 @@ import sys
 
 import pytest
 
-from jaxpar.config import Config, ConfigError, all_keys
+from jaxpar.config import Config, ConfigError, MeshConfig, all_keys
 from jaxpar.presets import load_config
 from jaxpar.validation import resolve_mesh, validate
-from jaxpar.config import MeshConfig
 
 
 def test_public_key_names_are_stable():

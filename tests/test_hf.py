@@ -188,7 +188,8 @@ def test_each_device_reads_only_its_own_slices(layout):
         tensor_map, sharding = maps[path_names(path)], sharding.get_value()
         whole += int(np.prod(tensor_map.shape)) * 4
         for device, index in sharding.addressable_devices_indices_map(tensor_map.shape).items():
-            expected[device.id] += int(np.prod([len(range(*s.indices(n))) for s, n in zip(index, tensor_map.shape)])) * 4
+            expected[device.id] += int(np.prod([len(range(*s.indices(n)))
+                                                for s, n in zip(index, tensor_map.shape)])) * 4
     assert per_device == expected
     assert max(per_device.values()) < whole / 4  # most of the model is split 8 ways
 

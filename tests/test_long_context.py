@@ -9,8 +9,8 @@ import pytest
 
 from jaxpar.parallel.rules import RULES, layout_rules, logical_to_spec
 from jaxpar.plan import collectives, measure_step
-from jaxpar.train.trainer import Trainer
 from jaxpar.precision import POLICIES
+from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
 
 # Small enough to compile fast, valid on every layout below: 4 heads of size 8 (tensor 2 or 4

@@ -53,5 +53,5 @@ def test_stacked_layers_scan_gives_the_same_output_as_a_python_loop():
     graphdef, stacked = nnx.split(model.blocks)
     looped = x
     for i in range(cfg.n_layers):
-        looped, _ = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))(looped)
+        looped, _ = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))(looped)
     assert jnp.allclose(model.run_blocks(x)[0], looped, rtol=1e-5, atol=1e-6)

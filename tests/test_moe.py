@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from jaxpar.presets import load_config
 from jaxpar.plan import measure_step
+from jaxpar.presets import load_config
 from jaxpar.session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
@@ -18,7 +18,7 @@ LAYOUTS = [(router, layout) for router in ("topk", "switch", "expert_choice")
 LAYOUTS.append(("topk", ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2")))
 
 
-@pytest.mark.parametrize("router, layout", LAYOUTS, ids=[f"{r} {' '.join(l)}" for r, l in LAYOUTS])
+@pytest.mark.parametrize("router, layout", LAYOUTS, ids=[f"{r} {' '.join(overrides)}" for r, overrides in LAYOUTS])
 def test_router_matches_single_device(router, layout, session_for):
     result = verify(session_for("train.steps=3", *MOE, *SMALL, f"model.moe.router={router}", *layout),
                     log=lambda line: None)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.presets import load_config
 from jaxpar.data import BatchSampler, load_tokens
 from jaxpar.model import Transformer
+from jaxpar.presets import load_config
 from jaxpar.train.step import objective, row_keys
 
 # Two layers, both MoE (every=1), four groups of 32 tokens per batch.

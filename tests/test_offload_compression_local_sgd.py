@@ -4,10 +4,10 @@
 import json
 
 import pytest
-
 from conftest import resumed_run_matches
-from jaxpar.train import verify_local as verify_local_module
+
 from jaxpar.precision import POLICIES
+from jaxpar.train import verify_local as verify_local_module
 from jaxpar.train.verify import verify
 
 TINY = ["configs/tiny_test.yaml", "train.steps=3", "mesh.tensor=1"]

@@ -48,7 +48,8 @@ def test_schedule_cli_reports_idle_fraction_and_draws(tmp_path, capsys):
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["schedule"] == "gpipe" and last["idle_fraction"] == pytest.approx(3 / 11)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["schedule", "--schedule", "interleaved", "--stages", "4", "--microbatches", "8", "--virtual", "2"]) == 0
+    assert main(["schedule", "--schedule", "interleaved", "--stages", "4", "--microbatches", "8",
+                 "--virtual", "2"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["idle_fraction"] == pytest.approx(3 / (2 * 8 + 3))
     assert main(["schedule", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"]) == 2
@@ -105,8 +106,8 @@ def test_1f1b_bounds_activation_memory_by_stages_not_microbatches():
     """At S=4, M=16, with activations dominating, 1F1B needs at most half of GPipe's temporaries."""
     import os
 
-    from jaxpar.presets import load_config
     from jaxpar.plan import measure_step
+    from jaxpar.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 
@@ -128,8 +129,8 @@ def test_1f1b_executes_the_matmuls_of_data_parallelism_and_recompute_adds_a_forw
     With recompute=true every backward redoes its forward: F + (F + 2F) = 4/3 of 3F."""
     import os
 
-    from jaxpar.presets import load_config
     from jaxpar.plan import measure_step
+    from jaxpar.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 

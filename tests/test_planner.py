@@ -8,11 +8,11 @@ import jax
 import pytest
 
 from jaxpar.cli import main
-from jaxpar.presets import load_config
 from jaxpar.hardware import Hardware
-from jaxpar.plan.roofline import predict
 from jaxpar.plan.model_flops import matmul_flops_floor
+from jaxpar.plan.roofline import predict
 from jaxpar.plan.search import enumerate_layouts, floor_seconds, search
+from jaxpar.presets import load_config
 from jaxpar.validation import validate
 
 # A made-up profile with round numbers, so the expected figures below can be worked out by hand.

@@ -1,5 +1,5 @@
-"""The Python API for a module of one's own: the Python API guide's example (docs/python-api.md) runs as written and agrees with
-one device; a module without the block protocol trains whole and is refused per-layer features."""
+"""The Python API for a module of one's own: the Python API guide's example (docs/python-api.md) runs as written
+and agrees with one device; a module without the block protocol trains whole and is refused per-layer features."""
 
 import re
 from pathlib import Path
@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from jaxpar.config import ConfigError
-from jaxpar.presets import load_config
 from jaxpar.model import constrain
+from jaxpar.presets import load_config
 from jaxpar.session import prepare
 from jaxpar.train.verify import verify
 
@@ -35,7 +35,8 @@ def test_the_guide_example_runs_and_agrees_with_one_device(capsys):
     # its own logical name really splits the MLP over tensor (and ZeRO-3 over data)
     from jaxpar.train.trainer import Trainer
 
-    trainer = Trainer(namespace["session"], model=lambda rngs: namespace["ParallelLM"](namespace["cfg"].model, rngs=rngs),
+    trainer = Trainer(namespace["session"],
+                      model=lambda rngs: namespace["ParallelLM"](namespace["cfg"].model, rngs=rngs),
                       rules={"ffn_hidden": "tensor"})
     assert tuple(trainer.state_shardings.params["blocks"]["mlp"]["w_in"].get_value().spec) == (
         "stage", None, None, ("tensor", "data"))
@@ -74,7 +75,8 @@ def _tiny(tmp_path, *overrides):
     return prepare(load_config("configs/tiny_test.yaml", [f"run.dir={tmp_path}", "train.steps=3", *overrides]))
 
 
-@pytest.mark.parametrize("layout", [["parallel.zero=3"], ["parallel.zero=2", "train.grad_accum=2", "train.precision=bf16"]])
+@pytest.mark.parametrize("layout", [["parallel.zero=3"],
+                                    ["parallel.zero=2", "train.grad_accum=2", "train.precision=bf16"]])
 def test_a_module_without_the_block_protocol_trains_whole(tmp_path, layout):
     session = _tiny(tmp_path, *layout)
     model = lambda rngs: WholeLM(session.cfg.model, rngs=rngs)  # noqa: E731

@@ -13,9 +13,9 @@ import chex
 import jax
 import numpy as np
 import pytest
+import reference_model as ref
 from flax import nnx
 
-import reference_model as ref
 from jaxpar.train.trainer import Trainer
 
 STEPS = 5

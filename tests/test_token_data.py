@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import resumed_run_matches, train_here
+
 from jaxpar.cli import main
 
 

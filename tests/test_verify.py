@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxpar.train import verify as verify_module
 from jaxpar.precision import POLICIES
+from jaxpar.train import verify as verify_module
 from jaxpar.train.verify import verify
 
 LAYOUTS = {

@@ -47,7 +47,7 @@ class ShardedTokens:
     def __len__(self) -> int:
         return self._stop - self._start
 
-    def __getitem__(self, part: slice) -> "ShardedTokens":
+    def __getitem__(self, part: slice) -> ShardedTokens:
         start, stop, step = part.indices(len(self))
         if step != 1:
             raise ValueError("a token view takes contiguous slices only")

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar.errors import DataError
 from jaxpar.data.token_folder import COMPANION_FILES, FORMAT, META, TOKENIZER, token_dtype, tokenizer_json
+from jaxpar.errors import DataError
 from jaxpar.folders import is_free, new_folder
 
 CHUNK_BYTES = 1 << 22  # text encoded per batch

@@ -99,7 +99,8 @@ class TensorMap:
             inner.append((outer[1] - outer[0],) + self.split[first + 1:first + factors])
         data = read_source(name, tuple(source_box)).reshape([n for group in inner for n in group])
         trim = tuple(slice(None) if d == first else slice(*split_box[d])
-                     for first, factors in _groups(self.source_shape, self.split) for d in range(first, first + factors))
+                     for first, factors in _groups(self.source_shape, self.split)
+                     for d in range(first, first + factors))
         data = data[trim].transpose(self.perm)
         if padded_to is not None and data.shape[self.pad[0]] < padded_to:
             widths = [(0, 0)] * data.ndim

@@ -19,8 +19,8 @@ import json
 import math
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import ml_dtypes
 import numpy as np

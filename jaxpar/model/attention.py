@@ -49,7 +49,8 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(K, cfg.norm_eps, ("kv",)) if cfg.qk_norm else None
         self.k_norm = RMSNorm(K, cfg.norm_eps, ("kv",)) if cfg.qk_norm else None
         # GPT-2 style: residual projections scaled down with depth.
-        self.wo = param(rngs.params(), (H, K, D), ("heads", "kv", "embed"), (H * K) ** -0.5 / math.sqrt(2 * cfg.n_layers))
+        self.wo = param(rngs.params(), (H, K, D), ("heads", "kv", "embed"),
+                        (H * K) ** -0.5 / math.sqrt(2 * cfg.n_layers))
         self.frequencies = rope_frequencies(cfg) if cfg.positions == "rope" else None
         self.kernel = cfg.attention
         self.flash_blocks = cfg.flash_blocks()

@@ -30,7 +30,8 @@ class MLP(nnx.Module):
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         residual, hidden = ("batch", "residual_seq", "embed"), ("batch", "seq", "mlp")
         if self.gated:
-            gate_up_BLQF = column_parallel("BLD,DQF->BLQF", x_BLD, self.w_gate_up, residual, ("batch", "seq", None, "mlp"))
+            gate_up_BLQF = column_parallel("BLD,DQF->BLQF", x_BLD, self.w_gate_up, residual,
+                                           ("batch", "seq", None, "mlp"))
             h_BLF = jax.nn.silu(gate_up_BLQF[:, :, 0]) * gate_up_BLQF[:, :, 1]
         else:
             h_BLF = jax.nn.gelu(column_parallel("BLD,DF->BLF", x_BLD, self.w_up, residual, hidden))

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import ModelConfig
 import jaxpar.model.routers as routers
+from jaxpar.config import ModelConfig
 from jaxpar.model.axes import constrain, expert_all_to_all, param, zeros_param
 
 
@@ -30,7 +30,8 @@ class MoE(nnx.Module):
         self.w_router = param(rngs.params(), (D, E), ("embed", None), D ** -0.5)
         self.w_noise = zeros_param((D, E), ("embed", None)) if moe.router == "topk" else None
         self.w_up = param(rngs.params(), (E, D, F), ("expert", "embed", "mlp"), D ** -0.5)
-        self.w_down = param(rngs.params(), (E, F, D), ("expert", "mlp", "embed"), F ** -0.5 / math.sqrt(2 * cfg.n_layers))
+        self.w_down = param(rngs.params(), (E, F, D), ("expert", "mlp", "embed"),
+                            F ** -0.5 / math.sqrt(2 * cfg.n_layers))
 
     def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None):
         """noise_B: a PRNG key per batch row for noisy top-k (training), None for no noise."""

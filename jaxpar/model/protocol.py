@@ -16,7 +16,8 @@ path STACKED_AT, and `run_blocks` hands them to the `scan` jaxpar gives it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import jax

@@ -5,8 +5,8 @@ Every router maps router logits (G groups, N tokens, E experts) to
   combine  (G, N, E, C): dispatch times the token's gate weight,
 the balance loss, and the share of assignments dropped for lack of capacity (None for
 Expert Choice, which never overflows). Balance losses are computed per
-routing group and averaged, so they do not depend on how groups are spread over devices. Shape legend: G groups, N tokens
-per group, E experts, C capacity (slots per expert per group), K top-k.
+routing group and averaged, so they do not depend on how groups are spread over devices.
+Shape legend: G groups, N tokens per group, E experts, C capacity (slots per expert per group), K top-k.
 """
 
 from __future__ import annotations

@@ -6,8 +6,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel.pipeline import (F_LAST, TICK_SCOPE, StageFns, action_arrays, microbatch, switch_ticks,
-                                      zeros_like_shapes)
+from jaxpar.parallel.pipeline import (
+    F_LAST,
+    TICK_SCOPE,
+    StageFns,
+    action_arrays,
+    microbatch,
+    switch_ticks,
+    zeros_like_shapes,
+)
 from jaxpar.parallel.schedules import Table
 
 

@@ -16,7 +16,7 @@ layer by custom VJPs (ZeRO 2-3).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from flax import nnx

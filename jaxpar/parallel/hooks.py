@@ -32,11 +32,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.model.axes import path_names
+from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.reductions import scattered
 from jaxpar.parallel.rules import logical_to_spec
 from jaxpar.parallel.zero import without_axes
-
-from jaxpar.parallel.layout import Layout
 
 # Primitives that expand a weight shard to the full weight (ZeRO-3 gathers, ZeRO-2 slices its
 # replica; both wrapped in custom VJPs, which a checkpoint policy sees as one custom_vjp_call).

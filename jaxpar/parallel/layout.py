@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp

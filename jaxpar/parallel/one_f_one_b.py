@@ -8,13 +8,25 @@ recomputes the chunk from it (4/3 of the FLOPs, least memory)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel.pipeline import (B_LAST, B_MID, F_FIRST, F_LAST, F_MID, TICK_SCOPE, StageFns, action_arrays,
-                                      chunk_params, local_layers, microbatch, zeros_like_shapes)
+from jaxpar.parallel.pipeline import (
+    B_LAST,
+    B_MID,
+    F_FIRST,
+    F_LAST,
+    F_MID,
+    TICK_SCOPE,
+    StageFns,
+    action_arrays,
+    chunk_params,
+    local_layers,
+    microbatch,
+    zeros_like_shapes,
+)
 from jaxpar.parallel.schedules import Table, stash_size
 
 

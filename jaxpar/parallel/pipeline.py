@@ -24,7 +24,7 @@ costed one by one (`jaxpar plan`'s executed FLOPs).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -62,7 +62,8 @@ def _matmul_rate(mesh, dtype) -> float:
     """FLOP/s one device reaches on its shard while every device multiplies at once."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     rows, inner, cols = MATMUL_SHAPE
     n = mesh.devices.size
@@ -77,7 +78,8 @@ def _write_rate(mesh) -> float:
     device works at once."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     sharding = NamedSharding(mesh, P("all"))
     x = jax.device_put(jnp.ones((mesh.devices.size * WRITE_FLOATS,), jnp.float32), sharding)
@@ -91,7 +93,8 @@ def _all_reduce_seconds(mesh, axis: str, floats: int) -> float:
     cost of launching a program, about a tenth of a millisecond here, is left out)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     every = P(mesh.axis_names)
     x = jax.device_put(jnp.ones((mesh.devices.size * floats,), jnp.float32), NamedSharding(mesh, every))

@@ -67,7 +67,7 @@ def measure(layout: Config, devices: list, budget: float) -> tuple[dict, bool]:
     if entry is not None and (not entry.get("state_only") or entry["bytes_per_device"] > budget):
         return entry, True
 
-    from jaxpar.plan.memory import shard_bytes, measure_step
+    from jaxpar.plan.memory import measure_step, shard_bytes
     from jaxpar.session import on_devices
     from jaxpar.train.trainer import Trainer
 
@@ -83,6 +83,7 @@ def measure(layout: Config, devices: list, budget: float) -> tuple[dict, bool]:
         entry = {"state_only": False, "bytes_per_device": plan["argument_bytes"] + plan["temp_bytes"],
                  "idle_fraction": table.idle_fraction if table is not None else 0.0,
                  # what the roofline reads
-                 "plan": {k: plan[k] for k in ("executed_flops_per_stage", "written_bytes_per_stage", "collective_ops")}}
+                 "plan": {k: plan[k] for k in ("executed_flops_per_stage", "written_bytes_per_stage",
+                                               "collective_ops")}}
     store(path, entry)
     return entry, False

@@ -205,7 +205,7 @@ def executed_cost(module: Module, scope: str, branch_runs: list[list[int]], cost
     per_device = [total] * len(branch_runs)
     for caller, branches in conditionals(module, scope):
         runs = module.executions(caller)
-        for d, taken in enumerate(branch_runs):
+        for _, taken in enumerate(branch_runs):
             if sum(taken) != runs:
                 raise ValueError(f"the schedule takes {sum(taken)} branches of a conditional that runs {runs} times")
         for k, branch in enumerate(branches):

@@ -13,8 +13,8 @@ import math
 
 import jax
 
-from jaxpar.plan.collectives import bytes_by_op, collectives
 from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts
+from jaxpar.plan.collectives import bytes_by_op, collectives
 from jaxpar.plan.hlo import executed_cost, matmul_flops, parse, written_bytes
 from jaxpar.plan.transfers import host_transfers
 from jaxpar.train.offload import update_peak_bytes

@@ -26,9 +26,9 @@ import typing
 
 from jaxpar.config import Config, ConfigError, ParallelConfig, TrainConfig
 from jaxpar.errors import UserError
+from jaxpar.hardware import Hardware
 from jaxpar.parallel.schedules import SCHEDULES
 from jaxpar.plan import compiled_cache
-from jaxpar.hardware import Hardware
 from jaxpar.plan.roofline import Prediction, hosts_of, predict_layout
 from jaxpar.switches import MESH_KEYS
 from jaxpar.validation import validate

@@ -24,8 +24,8 @@ def table(result: SearchResult, top: int) -> str:
     for rank, c in enumerate(ranked[:top], 1):
         p = c.prediction
         lines.append(f"{rank:>4}  {c.name:<{width}}  {c.bytes_per_device / GIB:>10.3f}  {_ms(p.seconds):>10}  "
-                     f"{_ms(p.compute):>9}  {_ms(p.memory):>9}  {_ms(p.communication):>9}  {_ms(p.exposed_communication):>9}  "
-                     f"{_ms(p.bubble):>9}  {p.limiting}")
+                     f"{_ms(p.compute):>9}  {_ms(p.memory):>9}  {_ms(p.communication):>9}  "
+                     f"{_ms(p.exposed_communication):>9}  {_ms(p.bubble):>9}  {p.limiting}")
     over = sum(not c.fits(result.budget) for c in result.candidates)
     lines.append(f"{len(ranked)} of {result.enumerated} layouts fit in {result.budget / 1e9:g} GB per device "
                  f"({over} over it); {result.compiled} compiled, {result.cached} from the cache, {result.pruned} "

@@ -27,8 +27,8 @@ import dataclasses
 import errno
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ from jaxpar.errors import RunFailed, UserError
 from jaxpar.model.axes import path_names
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.step import TrainState
+
 
 class CheckpointMismatch(UserError):
     """A checkpoint that cannot be restored into this config (another model shape, optimizer or seed)."""
@@ -100,9 +101,10 @@ def _must_match(config: dict) -> list[str]:
     """Config keys that fix a checkpoint's contents (array shapes, optimizer state) or its data order.
 
     Where the weights first came from (model.from_hf) may move; the shape it gave must match. The
-    routing settings of a mixture of experts (group size, capacity, loss weights) change no array, and the automatic group size follows the tokens per device, so they may change
-    with the layout on resume; whether there are experts, how many and where, and the router
-    (top-k alone has a noise weight) must match."""
+    routing settings of a mixture of experts (group size, capacity, loss weights) change no array, and the
+    automatic group size follows the tokens per device, so they may change with the layout on resume;
+    whether there are experts, how many and where, and the router (top-k alone has a noise weight) must
+    match."""
     model = [f"model.{key}" for key in config["model"] if key not in ("moe", "from_hf")]
     return model + ["model.moe.experts", "model.moe.every", "model.moe.router", "train.optimizer", "train.seed"]
 

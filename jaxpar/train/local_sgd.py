@@ -63,7 +63,7 @@ class OuterState:
     momentum: object
 
     @staticmethod
-    def initial(params) -> "OuterState":
+    def initial(params) -> OuterState:
         return OuterState(params, jax.tree.map(jnp.zeros_like, params))
 
 

@@ -16,11 +16,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxpar.charts import plot_loss
 from jaxpar.data.token_folder import is_token_folder
 from jaxpar.distributed import StopAgreement, is_secondary
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
-from jaxpar.charts import plot_loss
 from jaxpar.train.report import append_jsonl, read_jsonl, write_json_atomic, write_jsonl_atomic
 from jaxpar.train.sample import sample_text
 from jaxpar.train.tensorboard import TensorBoardWriter
@@ -46,7 +46,7 @@ class StopSignals:
         self.received: str | None = None
         self._previous: dict = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self

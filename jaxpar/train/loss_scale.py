@@ -26,19 +26,19 @@ class LossScale:
     skipped_steps: jax.Array
 
     @staticmethod
-    def initial(policy: PrecisionPolicy) -> "LossScale":
+    def initial(policy: PrecisionPolicy) -> LossScale:
         """The policy's initial scale (2^15 for fp16; a constant 1, never changed, otherwise)."""
         return LossScale(jnp.asarray(policy.initial_loss_scale, jnp.float32), jnp.zeros((), jnp.int32),
                          jnp.zeros((), jnp.int32))
 
-    def update(self, finite: jax.Array, window: int) -> "LossScale":
+    def update(self, finite: jax.Array, window: int) -> LossScale:
         """Halve and count a skip on overflow; double after `window` good steps in a row."""
         good = jnp.where(finite, self.good_steps + 1, 0)
         grow = good >= window
         scale = jnp.where(finite, jnp.where(grow, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0))
         return LossScale(scale, jnp.where(grow, 0, good), self.skipped_steps + (~finite).astype(jnp.int32))
 
-    def count_skip(self, finite: jax.Array) -> "LossScale":
+    def count_skip(self, finite: jax.Array) -> LossScale:
         """Count a skipped step without touching the (constant) scale: fp32/bf16 with on_nonfinite=skip."""
         return LossScale(self.scale, self.good_steps, self.skipped_steps + (~finite).astype(jnp.int32))
 

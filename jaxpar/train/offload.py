@@ -103,7 +103,8 @@ def offloaded_update(optimizer, grads, opt_state, params, placement: Placement, 
         updates, new = update.update(grads, old, params)
         return updates, (clip_state, move(unless_skipped(finite, new, old), everything, "pinned_host"))
     rest = move(_part(state, kinds, (REST, SHARED)), (REST, SHARED), "device")
-    rest_updates, new_rest = update.update(_part(grads, param_kinds, (REST,)), rest, _part(params, param_kinds, (REST,)))
+    rest_updates, new_rest = update.update(_part(grads, param_kinds, (REST,)), rest,
+                                           _part(params, param_kinds, (REST,)))
     new_rest = unless_skipped(finite, _part(new_rest, kinds, (REST, SHARED)), rest)
 
     def one_layer(_, layer):

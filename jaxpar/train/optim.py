@@ -25,7 +25,7 @@ class Optimizer(NamedTuple):
     by_layer: bool
 
     @classmethod
-    def build(cls, t: TrainConfig, abstract_params) -> "Optimizer":
+    def build(cls, t: TrainConfig, abstract_params) -> Optimizer:
         update = optimizer_update(t)
         return cls(make_optimizer(t, update), lr_schedule(t), update, t.clip_norm,
                    t.offloads_optimizer and layerwise(update, abstract_params))

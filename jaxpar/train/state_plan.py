@@ -11,19 +11,19 @@ the state lives, its specs, how it starts, and the step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+import jaxpar.train.local_sgd as local_sgd
 from jaxpar.config import Config, ConfigError
 from jaxpar.model import Transformer, is_block_model
 from jaxpar.parallel import Layout, PipelinePlan, layout_rules
 from jaxpar.precision import PrecisionPolicy
 from jaxpar.session import Session
-import jaxpar.train.local_sgd as local_sgd
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.optim import Optimizer
 from jaxpar.train.step import TrainState

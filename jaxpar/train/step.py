@@ -6,7 +6,7 @@ Batches are int token arrays (B, T): inputs are [:, :-1], targets [:, 1:].
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -188,7 +188,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     noisy = bool(moe.experts) and moe.noise and moe.router == "topk"
     grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision)
     # Statistics are means over the traced batch of one microbatch; token counts scale to the step.
-    traced_batches = layout.manual_batch_ways * (t.grad_accum if pipeline.table is None else pipeline.table.microbatches)
+    traced_batches = layout.manual_batch_ways * (t.grad_accum if pipeline.table is None
+                                                 else pipeline.table.microbatches)
 
     def train_step(state: TrainState, tokens_BT: jax.Array):
         scale = state.loss_scale.scale

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp

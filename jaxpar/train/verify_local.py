@@ -75,5 +75,6 @@ def verify_local(session: Session, layout, reference_cfg, steps: int, log) -> tu
     for r, s in enumerate(replicas):
         for k, ref in flat_by_path(jax.device_get(s.params)).items():
             ref = np.asarray(ref)
-            param_errors[f"replica{r}/{k}"] = float(np.linalg.norm(params[k][r] - ref) / max(np.linalg.norm(ref), 1e-30))
+            param_errors[f"replica{r}/{k}"] = float(np.linalg.norm(params[k][r] - ref)
+                                                    / max(np.linalg.norm(ref), 1e-30))
     return errors, param_errors
