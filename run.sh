@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # jaxpar quick start. Creates (or reuses) .venv with the pinned dependencies, then:
 #   bash run.sh train [key=value ...]   train the default model on 8 emulated CPU devices (data=4 x tensor=2)
-#   bash run.sh test  [pytest args ...] run the whole test suite
+#   bash run.sh test  [pytest args ...] lint (ruff), then run the whole test suite (-m "not slow": the quick tier)
 #   bash run.sh jaxpar ...              any jaxpar command inside the environment
 # PYTHON=/path/to/python3.12 picks the interpreter; otherwise the first one that really runs
 # and is 3.12 or newer is taken from PATH, then from the usual install places (pyenv, /usr/local).
@@ -53,7 +53,7 @@ command="${1:-}"
 [ $# -gt 0 ] && shift
 case "$command" in
   train) exec "$venv/bin/jaxpar" train configs/default.yaml "$@" ;;
-  test) exec "$venv/bin/python" -m pytest -q "$@" ;;
+  test) "$venv/bin/ruff" check . && exec "$venv/bin/python" -m pytest -q "$@" ;;
   jaxpar) exec "$venv/bin/jaxpar" "$@" ;;
   *) echo "usage: bash run.sh train|test|jaxpar [arguments]" >&2; exit 2 ;;
 esac

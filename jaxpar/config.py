@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import types
 import typing
 from pathlib import Path
 from typing import Literal, Union
@@ -291,7 +292,7 @@ def _coerce(key: str, value, typ):
         if value not in choices or not any(type(value) is type(c) for c in choices):  # 1.0 and True are not 1
             raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, got {value!r}.")
         return value
-    if origin is Union:
+    if origin in (Union, types.UnionType):  # Union[a, b] or a | b
         for option in typing.get_args(typ):
             try:
                 return _coerce(key, value, option)

@@ -1,9 +1,16 @@
 """Test setup: 8 emulated CPU devices, set before jax is imported anywhere."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
+# XLA's persistent compilation cache, fresh for each run of the suite (and its subprocesses): many tests
+# compile the same program (every verify's single-device reference of the same model, say), and
+# compiling is most of their time. Results are the same; only the second compile is skipped.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
@@ -21,41 +28,10 @@ def session_for(tmp_path):
     return build
 
 
-# ---------------------------------------------------------------- checkpoint runs
-# Shared by test_checkpoint.py and test_checkpoint_resilience.py, which import the helpers from here.
-# Every run is the tiny preset with one metrics line per step. The learning-rate schedule spans 40
-# steps whatever train.steps is, so a run of any length follows the same trajectory as the
-# uninterrupted 40-step `reference` run. `reference` and `ten_steps` are built once for both files.
+# ---------------------------------------------------------------- checkpoint runs, built once per session
+# for test_checkpoint.py and test_checkpoint_resilience.py (see helpers.py)
 
-import json  # noqa: E402
-import shutil  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-BASE = ["configs/tiny_test.yaml", "train.log_every=1", "train.lr_schedule_steps=40", "train.eval_batches=1"]
-# step_time_s and tokens_per_s are wall-clock; everything else must match exactly.
-DETERMINISTIC = ("step", "loss", "grad_norm", "lr", "loss_scale", "skipped_steps")
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: json.loads(line)[k] for k in DETERMINISTIC} for line in lines]
-
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    folder = run_dir / "checkpoints"
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
-
-
-def partial_saves(run_dir: Path) -> list[str]:
-    return sorted(p.name for p in (run_dir / "checkpoints").iterdir() if ".orbax-checkpoint-tmp" in p.name)
-
-
-def train_here(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
-    """`jaxpar train` in this process; returns the exit code and stderr."""
-    from jaxpar.cli import main
-
-    code = main(["train", "--no-progress", *BASE, f"run.dir={run_dir}", *overrides])
-    return code, capsys.readouterr().err
+from helpers import BASE, metrics  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -69,19 +45,13 @@ def reference(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def ten_steps(tmp_path_factory) -> Path:
+def ten_steps(tmp_path_factory):
     """A 10-step run with checkpoints at steps 5 and 10; tests copy it before changing it."""
     from jaxpar.cli import main
 
     run_dir = tmp_path_factory.mktemp("ten_steps") / "run"
     assert main(["train", "--no-progress", *BASE, "train.steps=10", "checkpoint.every=5", f"run.dir={run_dir}"]) == 0
     return run_dir
-
-
-def copy_of(run_dir: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "run"
-    shutil.copytree(run_dir, target)
-    return target
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +65,10 @@ def trainer():
     return Trainer(session)
 
 
-def resumed_run_matches(capsys, tmp_path: Path, settings: list[str], steps: int, cut: int) -> bool:
-    """Whether a run of `steps` steps cut at a checkpoint at `cut` and resumed logs exactly the metrics
-    of the uninterrupted run (both train in this process with BASE and `settings`)."""
-    whole, resumed = tmp_path / "whole", tmp_path / "cut"
-    assert train_here(capsys, whole, *settings, f"train.steps={steps}")[0] == 0
-    assert train_here(capsys, resumed, *settings, f"train.steps={cut}", f"checkpoint.every={cut}")[0] == 0
-    assert train_here(capsys, resumed, *settings, f"train.steps={steps}")[0] == 0
-    return metrics(resumed) == metrics(whole)
+def pytest_sessionfinish(session, exitstatus):
+    """Remove this run's compilation cache (only one this conftest made: it is named after the run)."""
+    import shutil
+
+    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+    if os.path.basename(folder).startswith("jaxpar-tests-xla-cache-"):
+        shutil.rmtree(folder, ignore_errors=True)

@@ -10,11 +10,12 @@ runs, the reference and the helpers are in conftest.py, shared with test_checkpo
 
 import numpy as np
 import pytest
-from conftest import BASE, checkpoint_steps, copy_of, metrics, partial_saves, train_here
+from helpers import BASE, checkpoint_steps, copy_of, metrics, partial_saves, train_here
 
 from jaxpar.train.checkpoint import Checkpoints
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, capsys, reference):
     run_dir = tmp_path / "run"
     code, _ = train_here(capsys, run_dir, "train.steps=20", "checkpoint.every=5")
@@ -28,6 +29,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, capsys, re
     assert resumed == reference
 
 
+@pytest.mark.slow
 def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
     from jaxpar.presets import load_config
     from jaxpar.session import prepare
@@ -78,6 +80,7 @@ PIPELINES = {
 }
 
 
+@pytest.mark.slow
 def test_restore_across_pipeline_layouts(tmp_path):
     """Interleaved stages store their layers permuted and 2BW keeps a second copy of the weights;
     checkpoints hold layers in model order, so they move between these and plain layouts."""
@@ -131,6 +134,7 @@ def test_checkpoint_of_another_model_shape_is_refused_with_exit_2(tmp_path, caps
     assert (run_dir / "metrics.jsonl").read_bytes() == before and checkpoint_steps(run_dir) == [5, 10]
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_with_exit_1_naming_the_last_good_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
     # A huge learning rate overflows the parameters after the first update.
@@ -142,6 +146,7 @@ def test_nonfinite_loss_stops_with_exit_1_naming_the_last_good_checkpoint(tmp_pa
     assert checkpoint_steps(run_dir) == [1]
 
 
+@pytest.mark.slow
 def test_synchronous_checkpoints_save_and_resume(tmp_path, capsys, ten_steps, trainer, reference):
     run_dir = copy_of(ten_steps, tmp_path)
     code, err = train_here(capsys, run_dir, "train.steps=12", "checkpoint.every=5", "checkpoint.async=false")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import BASE, checkpoint_steps, copy_of, metrics, partial_saves, train_here
+from helpers import BASE, checkpoint_steps, copy_of, metrics, partial_saves, train_here
 
 from jaxpar.train.checkpoint import Checkpoints, is_damage
 
@@ -77,6 +77,7 @@ def logged_steps(run_dir: Path) -> int:
 
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_moment_resumes_from_the_newest_complete_checkpoint(tmp_path, reference):
     run_dir = tmp_path / "run"
     settings = ("train.steps=40", "checkpoint.every=5")
@@ -113,6 +114,7 @@ def test_sigkill_at_any_moment_resumes_from_the_newest_complete_checkpoint(tmp_p
     assert checkpoint_steps(run_dir) == [30, 35, 40] and partial_saves(run_dir) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_stop_signal_checkpoints_the_current_step_and_exits_0(sig, tmp_path, capsys, reference):
     run_dir = tmp_path / "run"
@@ -215,6 +217,7 @@ def test_only_missing_cut_short_or_garbled_files_count_as_damage():
     assert not is_damage(OSError(12, "Cannot allocate memory"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [_truncate_largest_array_file, _delete_metadata_file], ids=["truncated", "missing"])
 def test_damaged_checkpoint_is_reported_and_skipped(damage, tmp_path, capsys, ten_steps, reference):
     run_dir = copy_of(ten_steps, tmp_path)

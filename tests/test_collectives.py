@@ -60,6 +60,7 @@ def test_megatron_collectives_for_data4_tensor2(session_for):
     assert _gradient_reduction_bytes(found) == _reduced_once_bytes(trainer)
 
 
+@pytest.mark.slow
 def test_pure_data_parallel_only_all_reduces_gradients(session_for):
     session = session_for("mesh.data=8")
     trainer, found = _compiled(session)
@@ -68,6 +69,7 @@ def test_pure_data_parallel_only_all_reduces_gradients(session_for):
     assert _gradient_reduction_bytes(found) == _reduced_once_bytes(trainer)
 
 
+@pytest.mark.slow
 def test_an_untied_head_reduces_each_weight_once(session_for):
     """Untied, the embedding (lookup only) and the head (logits only) each have one gradient
     contribution, and every gradient is reduced exactly once; tied, the shared weight's two

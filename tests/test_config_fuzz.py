@@ -271,6 +271,7 @@ FOUND = [
 ]
 
 
+@pytest.mark.fuzz
 @FUZZ
 @given(command=st.sampled_from(["plan", "train", "verify"]), args=arguments())
 def test_random_overrides_are_accepted_or_refused_in_one_sentence(cwd, command, args):
@@ -284,6 +285,7 @@ def test_what_the_fuzzer_found_is_refused_in_one_sentence(cwd, args):
     assert_one_sentence(err)
 
 
+@pytest.mark.fuzz
 @settings(settings.get_profile("config_fuzz"), max_examples=max(60, EXAMPLES // 3))
 @given(data=preset(), args=arguments(poisons=(0, 1)))
 @example(data={"extends": 5}, args=[])  # TypeError: a path joined with an int
@@ -294,6 +296,8 @@ def test_random_presets_are_accepted_or_refused_in_one_sentence(cwd, data, args)
     check("plan", [str(path), *args], cwd)
 
 
+@pytest.mark.slow
+@pytest.mark.fuzz
 @SUBPROCESS
 @given(args=arguments(printable=True, poisons=(1, 2)))
 @example(args=["data.source=" + "x" * 5000 + ".txt"])

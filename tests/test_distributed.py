@@ -51,6 +51,8 @@ def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
         assert abs(got[step] - loss) <= 1e-6 * abs(loss), (step, got[step], loss)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_processes_match_one_process_data_x_tensor(tmp_path):
     settings = ["mesh.data=2", "mesh.tensor=4", "train.steps=4"]
     single = _train(tmp_path / "one", *settings)
@@ -62,6 +64,8 @@ def test_two_processes_match_one_process_data_x_tensor(tmp_path):
     assert "final train loss" in double.stdout and "final train loss" in single.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_pipeline_across_processes_and_checkpoints_cross_process_counts(tmp_path):
     settings = ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "mesh.hosts=stage", "parallel.pipeline.microbatches=2",
                 "train.steps=4", "checkpoint.every=2"]
@@ -80,6 +84,8 @@ def test_pipeline_across_processes_and_checkpoints_cross_process_counts(tmp_path
         _assert_same_losses(_losses(tmp_path / target), reference)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_damaged_checkpoint_is_set_aside_by_process_0_and_every_process_falls_back(tmp_path):
     settings = ["mesh.data=2", "mesh.tensor=4", "train.steps=2", "checkpoint.every=1"]
     run_dir = tmp_path / "run"
@@ -132,6 +138,8 @@ def _signal_long_run(run_dir: Path, process_id: int, signum: int) -> tuple[subpr
             launcher.kill()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     launcher, err, _ = _signal_long_run(run_dir, 1, signal.SIGTERM)
@@ -141,6 +149,8 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step_with_a_checkpoint(tmp
     assert f"[0] jaxpar: stopped by a signal to another process after step {saved[0]}" in err
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("victim", [1, 0])
 def test_killing_a_process_ends_the_run_with_a_sentence(tmp_path, victim):
     launcher, err, elapsed = _signal_long_run(tmp_path / "run", victim, signal.SIGKILL)
@@ -158,6 +168,7 @@ def test_killing_a_process_ends_the_run_with_a_sentence(tmp_path, victim):
     assert "Check failure stack trace" not in err  # the runtime's C++ noise is held back
 
 
+@pytest.mark.distributed
 def test_tensor_across_processes_is_refused_in_one_sentence(tmp_path):
     result = _jaxpar("launch", "--processes", "2", "--devices-per-process", "4", "--", "train", "mesh.tensor=8",
                      f"run.dir={tmp_path / 'run'}")
@@ -193,6 +204,8 @@ def test_environment_decides_single_or_multi_process():
         from_environment({**env, "JAXPAR_PROCESS_ID": "4"})
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_verify_across_two_processes_against_a_per_process_reference():
     result = _jaxpar("launch", "--processes", "2", "--devices-per-process", "4", "--", "verify", *TINY,
                      "mesh.data=2", "mesh.tensor=4", "parallel.zero=3")
@@ -203,6 +216,8 @@ def test_verify_across_two_processes_against_a_per_process_reference():
     assert report["ok"] and report["loss_max_rel_err"] <= 1e-5 and report["param_max_rel_err"] <= 1e-4
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_plan_across_two_processes_prints_its_table_once():
     result = _jaxpar("launch", "--processes", "2", "--devices-per-process", "4", "--", "plan", *TINY, "mesh.data=2",
                      "mesh.tensor=4")

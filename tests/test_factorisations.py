@@ -67,6 +67,7 @@ def _representatives() -> list[dict[str, int]]:
 REPRESENTATIVES = _representatives()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", FACTORISATIONS, ids=_name)
 def test_layout_is_refused_in_one_sentence_or_compiles_and_representatives_verify(sizes, tmp_path):
     """A representative trains 2 steps beside the single-device reference (which compiles it

@@ -82,6 +82,7 @@ def test_blocks_above_the_diagonal_are_skipped(block_q, block_kv):
     assert bool(jnp.isfinite(dq[:, :block_q]).all())
 
 
+@pytest.mark.slow
 def test_memory_is_far_below_dot_attention():
     q, k, v = qkv((1, 1024, 2, 16))
     weights = jnp.ones(q.shape)
@@ -96,6 +97,7 @@ def test_memory_is_far_below_dot_attention():
     assert flash_bytes <= 0.2 * dot_bytes, (flash_bytes, dot_bytes)
 
 
+@pytest.mark.slow
 def test_bf16_inputs():
     q, k, v = qkv(dtype=jnp.bfloat16)
     attention = flash(16, 32)
@@ -110,6 +112,7 @@ def test_bf16_inputs():
         assert rel_err(g.astype(jnp.float32), w) < 2e-2, name
 
 
+@pytest.mark.slow
 def test_sharded_over_batch_and_heads():
     """Under jit with B over one mesh axis and H over another, results match the unsharded run."""
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tensor"))

@@ -129,6 +129,7 @@ def test_import_then_export_is_bit_for_bit(name, tmp_path):
     assert {k: v for k, v in written.items() if k != "torch_dtype"} == {k: v for k, v in source.items() if k != "dtype"}
 
 
+@pytest.mark.slow
 def test_train_export_and_import_again_gives_the_trained_weights(tmp_path):
     """qwen2 on data=2 x tensor=4 with its 300-row vocabulary padded to 304: 5 steps, export in fp32 (the
     padding dropped), import again: every parameter equals the checkpoint's, bit for bit."""
@@ -155,6 +156,7 @@ def test_train_export_and_import_again_gives_the_trained_weights(tmp_path):
         assert not np.array_equal(value, before[path]), path  # training moved every parameter that came back
 
 
+@pytest.mark.slow
 def test_training_from_an_import_verifies(capsys):
     """The issue's verify: ZeRO-3 on data=4 x tensor=2 from the llama fixture, fp32 tolerance."""
     code = main(["verify", f"model.from_hf={FIXTURES / 'llama'}", "mesh.data=4", "mesh.tensor=2", "parallel.zero=3"])
@@ -257,6 +259,7 @@ def test_a_key_that_contradicts_the_checkpoint_is_refused(capsys):
     assert code == 2 and "model.d_model=64, model.qk_norm=False" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_export_refuses_a_model_no_family_holds(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "configs/tiny_test.yaml", "train.steps=2", "checkpoint.every=2", "train.sample_tokens=0",
@@ -269,6 +272,7 @@ def test_export_refuses_a_model_no_family_holds(tmp_path, capsys):
 # ---------------------------------------------------------------- tokenizer and generation
 
 
+@pytest.mark.slow
 def test_tokenize_with_a_checkpoints_tokenizer_and_generate(tmp_path, capsys):
     """`jaxpar tokenize --tokenizer DIR` encodes with the checkpoint's tokenizer.json (no BOS per line),
     training on it runs, and `jaxpar generate` decodes with it from the run and from the checkpoint."""

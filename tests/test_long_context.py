@@ -34,6 +34,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_device(layout, session_for):
     overrides = LAYOUTS[layout]
@@ -53,6 +54,7 @@ def _compiled(session):
     return collectives(compiled.as_text(), session.mesh_sizes), compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_sequence_parallelism_replaces_tensor_all_reduces(session_for):
     """data=2 x tensor=4: without sequence parallelism the tensor collectives in the layer loop are
     all-reduces of the residual stream; with it they are all-gathers and reduce-scatters, no

@@ -30,6 +30,7 @@ def plans():
     return plan
 
 
+@pytest.mark.slow
 def test_zero_stages_cut_state_bytes_as_predicted(plans):
     """The compiled step's arguments (the state, plus a 2 KB batch and a few scalars) are within
     0.1% of the ZeRO formulas for Adam (parameters P, two moments 2P) on data=8."""
@@ -41,6 +42,7 @@ def test_zero_stages_cut_state_bytes_as_predicted(plans):
         assert abs(got - want) <= 0.001 * want, (stage, got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero2_and_3_sum_each_gradient_once_into_shards(plans, stage):
     """Every gradient is summed over the 8 devices once, layer by layer, and each device keeps 1/8.
@@ -62,6 +64,7 @@ def test_zero2_and_3_sum_each_gradient_once_into_shards(plans, stage):
     assert plan["grads_bytes"] == P / 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("train.remat=full",)],
                          ids=["remat none", "remat full"])
 def test_sharded_optimizer_keeps_gradient_shards_only(plans, extra):
@@ -75,12 +78,14 @@ def test_sharded_optimizer_keeps_gradient_shards_only(plans, extra):
         assert temp < zero0["temp_bytes"] - 0.8 * (P - P / 8), (stage, temp, zero0["temp_bytes"])
 
 
+@pytest.mark.slow
 def test_adafactor_state_is_a_small_fraction_of_adamw(plans):
     adamw = plans(*MODEL_8M)["opt_state_bytes"]
     adafactor = plans(*MODEL_8M, "train.optimizer=adafactor")["opt_state_bytes"]
     assert adafactor < 0.1 * adamw
 
 
+@pytest.mark.slow
 def test_remat_policies_trade_memory_for_flops(plans):
     none, full, dots, sqrt = (plans(*DEEP, f"train.remat={r}") for r in ("none", "full", "dots", "sqrt"))
     assert sqrt["temp_bytes"] <= 0.4 * none["temp_bytes"]
@@ -106,6 +111,7 @@ def test_plan_cli_prints_table_and_json(capsys, tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists(), "plan compiles only; it trains nothing"
 
 
+@pytest.mark.slow
 def test_matmul_flops_count_every_layer(plans):
     """The plan's FLOPs multiply loop bodies by their trip counts: they match the analytic
     6 x matmul params x tokens + attention (12 x layers x seq x d_model per token)."""

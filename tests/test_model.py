@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import jax
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -44,6 +45,7 @@ def test_megatron_layout_of_the_weights():
     assert logical_to_spec(("batch", "seq", "embed")) == P(("data", "expert"), None, None)
 
 
+@pytest.mark.slow
 def test_stacked_layers_scan_gives_the_same_output_as_a_python_loop():
     import jax.numpy as jnp
 

@@ -4,6 +4,7 @@ parallelism, dispatch goes through all-to-all, and the routing statistics mean w
 import os
 
 import pytest
+from helpers import SMALL_MODEL
 
 from jaxpar.plan import measure_step
 from jaxpar.presets import load_config
@@ -12,12 +13,13 @@ from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
 
 MOE = ("model.moe.experts=8", "model.moe.every=2")
-SMALL = ("model.n_layers=2",)  # one MoE layer: enough for equality checks, quicker to compile
+SMALL = ("model.n_layers=2", *SMALL_MODEL)  # one MoE layer: enough for equality checks, quicker to compile
 LAYOUTS = [(router, layout) for router in ("topk", "switch", "expert_choice")
            for layout in (("mesh.data=2", "mesh.expert=4"), ("mesh.data=8",))]
 LAYOUTS.append(("topk", ("mesh.data=2", "mesh.expert=2", "mesh.tensor=2")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("router, layout", LAYOUTS, ids=[f"{r} {' '.join(overrides)}" for r, overrides in LAYOUTS])
 def test_router_matches_single_device(router, layout, session_for):
     result = verify(session_for("train.steps=3", *MOE, *SMALL, f"model.moe.router={router}", *layout),
@@ -33,7 +35,7 @@ def _trainer(*overrides):
 def test_all_to_all_bytes_are_the_dispatched_activations():
     """Per MoE layer and step: dispatch and combine in forward, their transposes in backward,
     each moving E x (groups per device) x capacity x d_model activations."""
-    session, trainer = _trainer("model.moe.router=switch", "mesh.data=2", "mesh.expert=4")
+    session, trainer = _trainer("model.moe.router=switch", "mesh.data=2", "mesh.expert=4", *SMALL)
     cfg = session.cfg.model
     tokens_per_device = session.cfg.train.batch_size // 8 * cfg.seq_len
     groups = tokens_per_device // cfg.moe.group_size
@@ -51,11 +53,12 @@ def _metrics(session, trainer, steps=1):
     return {k: v.tolist() for k, v in metrics.items()}
 
 
+@pytest.mark.slow
 def test_expert_choice_fills_every_expert_exactly_and_counts_the_tokens_it_misses():
     """With capacity factor 0.5 the experts hold half a group's worth of slots between them,
     so at least half of the tokens reach no expert: measured, not assumed."""
     session, trainer = _trainer("model.moe.router=expert_choice", "mesh.data=2", "mesh.expert=4",
-                                "model.moe.capacity_factor=0.5")
+                                "model.moe.capacity_factor=0.5", *SMALL)
     metrics = _metrics(session, trainer)
     assert metrics["moe_load_cv"] == pytest.approx(0.0, abs=1e-6)
     assert "moe_dropped_fraction" not in metrics  # nothing overflows; no constant stands in for a measurement
@@ -63,6 +66,7 @@ def test_expert_choice_fills_every_expert_exactly_and_counts_the_tokens_it_misse
     assert len(metrics["moe_expert_tokens"]) == 8
 
 
+@pytest.mark.slow
 def test_unrouted_fraction_for_switch_is_its_dropped_fraction():
     """Top-1 with a capacity: a token whose assignment is dropped reaches no expert."""
     session, trainer = _trainer("model.moe.router=switch", "mesh.data=8", "model.moe.capacity_factor=0.5", *SMALL)
@@ -71,6 +75,7 @@ def test_unrouted_fraction_for_switch_is_its_dropped_fraction():
     assert metrics["moe_unrouted_fraction"] > 0.3
 
 
+@pytest.mark.slow
 def test_bf16_verify_reports_routing_changes_and_judges_the_other_weights(session_for):
     """bf16 activations route some tokens differently from the fp32 reference: verify counts
     them, reports the MoE weights' error apart and judges every other weight as usual."""
@@ -82,6 +87,7 @@ def test_bf16_verify_reports_routing_changes_and_judges_the_other_weights(sessio
         assert "moe_param_max_rel_err" in result
 
 
+@pytest.mark.slow
 def test_switch_drops_fewer_tokens_with_more_capacity():
     dropped = []
     for factor in (0.5, 1.0, 2.0):
@@ -92,6 +98,7 @@ def test_switch_drops_fewer_tokens_with_more_capacity():
     assert dropped[0] > 0.0
 
 
+@pytest.mark.slow
 def test_moe_model_trains_and_samples_text(session_for):
     """Generation feeds one short window (fewer tokens than a routing group): routed as one group."""
     from jaxpar.train.loop import train

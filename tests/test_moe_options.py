@@ -45,6 +45,7 @@ def objective_of():
     return fns
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight", [0.5, 1e-3])
 def test_z_loss_weight_adds_exactly_weight_times_z(objective_of, weight):
     key = jax.random.PRNGKey(7)
@@ -60,6 +61,7 @@ def test_z_loss_weight_adds_exactly_weight_times_z(objective_of, weight):
     assert abs((float(value_w) - float(value_0)) - weight * z * MOE_LAYERS) <= 2 * ulp
 
 
+@pytest.mark.slow
 def test_noise_false_routes_the_same_whatever_the_key(objective_of):
     key_a, key_b = jax.random.PRNGKey(1), jax.random.PRNGKey(2)
     quiet = objective_of[False]

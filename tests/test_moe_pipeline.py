@@ -16,6 +16,7 @@ MOE_PIPELINE = ("model.d_model=64", "model.n_heads=4", "model.d_ff=128", "model.
 HEAVY_AUX = ("model.moe.aux_loss_weight=10", "model.moe.z_loss_weight=10")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("router, schedule", [
     ("topk", ("parallel.pipeline.schedule=1f1b",)),  # with routing noise
     ("switch", ("parallel.pipeline.schedule=gpipe",)),

@@ -4,7 +4,7 @@
 import json
 
 import pytest
-from conftest import resumed_run_matches
+from helpers import resumed_run_matches
 
 from jaxpar.precision import POLICIES
 from jaxpar.train import verify_local as verify_local_module
@@ -24,19 +24,24 @@ def tiny(tmp_path):
     return build
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("layout", [
-    ["mesh.data=8", "parallel.zero=1", "train.offload=optimizer"],
-    ["mesh.data=8", "parallel.zero=1", "train.offload=activations"],
-    ["mesh.data=8", "train.optimizer=adafactor", "train.offload=optimizer"],  # the state comes over whole
-    ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3", "train.offload=both"],
-    ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=2", "train.offload=optimizer"],
+    pytest.param(["mesh.data=8", "parallel.zero=1", "train.offload=optimizer"], marks=SLOW),
+    pytest.param(["mesh.data=8", "parallel.zero=1", "train.offload=activations"], marks=SLOW),
+    # the state comes over whole
+    pytest.param(["mesh.data=8", "train.optimizer=adafactor", "train.offload=optimizer"], marks=SLOW),
+    pytest.param(["mesh.data=4", "mesh.tensor=2", "parallel.zero=3", "train.offload=both"], marks=SLOW),
+    pytest.param(["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=2", "train.offload=optimizer"],
+                 marks=SLOW),
 ])
 def test_offload_matches_single_device_at_fp32(tiny, layout):
     result = verify(tiny(*layout), log=lambda line: None)
     assert result["ok"] and result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4, result
 
 
-def test_plan_puts_offloaded_bytes_on_the_host_and_counts_the_transfers(tiny):
+def test_plan_puts_offloaded_bytes_on_the_host_and_counts_the_transfers(tiny):  # the quick tier's offload
     from jaxpar.plan import measure_step
     from jaxpar.train.trainer import Trainer
 
@@ -56,6 +61,7 @@ def test_plan_puts_offloaded_bytes_on_the_host_and_counts_the_transfers(tiny):
     assert both["host_bytes"]["activations"] == layer_inputs
 
 
+@SLOW
 def test_bf16_gradient_reduction_verifies_and_halves_the_bytes(tiny):
     from jaxpar.plan import measure_step
     from jaxpar.train.trainer import Trainer
@@ -77,14 +83,15 @@ def test_bf16_gradient_reduction_verifies_and_halves_the_bytes(tiny):
 
 
 @pytest.mark.parametrize("layout", [
-    ["mesh.data=8", "parallel.sync_every=2", "parallel.outer=avg"],
-    ["mesh.data=4", "mesh.tensor=2", "parallel.sync_every=2", "parallel.outer=nesterov"],
+    ["mesh.data=8", "parallel.sync_every=2", "parallel.outer=avg"],  # the quick tier's local SGD
+    pytest.param(["mesh.data=4", "mesh.tensor=2", "parallel.sync_every=2", "parallel.outer=nesterov"], marks=SLOW),
 ])
 def test_local_sgd_matches_single_device_replicas(tiny, layout):
     result = verify(tiny("train.steps=4", *layout), log=lambda line: None)
     assert result["ok"] and result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4, result
 
 
+@SLOW
 def test_local_sgd_verify_can_fail(tiny, monkeypatch):
     """A reference that never synchronizes its replicas is reported."""
     monkeypatch.setattr(verify_local_module, "_outer_numpy", lambda replicas, outer, p: replicas)
@@ -92,6 +99,7 @@ def test_local_sgd_verify_can_fail(tiny, monkeypatch):
     assert not result["ok"] and result["param_max_rel_err"] > 1e-4
 
 
+@SLOW
 def test_local_sgd_has_no_gradient_all_reduce_over_data(tiny):
     from jaxpar.plan import measure_step
     from jaxpar.train.trainer import Trainer
@@ -108,6 +116,7 @@ def test_local_sgd_has_no_gradient_all_reduce_over_data(tiny):
             assert max(op["bytes"] for op in over_data) == weights
 
 
+@SLOW
 def test_local_sgd_checkpoint_resumes_exactly(tmp_path, capsys):
     common = ["mesh.data=4", "mesh.tensor=2", "parallel.sync_every=3", "parallel.outer=nesterov"]
     assert resumed_run_matches(capsys, tmp_path, common, steps=8, cut=4)
@@ -117,6 +126,7 @@ def test_local_sgd_checkpoint_resumes_exactly(tmp_path, capsys):
     assert all(r["replica_spread"] > 0 for r in rows if "replica_spread" in r)
 
 
+@SLOW
 def test_offloaded_optimizer_checkpoint_resumes_exactly(tmp_path, capsys):
     """The state saved from pinned host memory restores into it and training goes on bit-identically."""
     common = ["mesh.data=4", "mesh.tensor=2", "parallel.zero=1", "train.offload=both"]

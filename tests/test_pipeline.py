@@ -4,6 +4,7 @@ single-device reference."""
 import json
 
 import pytest
+from helpers import SMALL_MODEL
 
 from jaxpar.parallel.schedules import Action, build, stash_size, theoretical_idle_fraction
 from jaxpar.train import verify as verify_module
@@ -55,13 +56,20 @@ def test_schedule_cli_reports_idle_fraction_and_draws(tmp_path, capsys):
     assert main(["schedule", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"]) == 2
 
 
-LAYOUTS = [
-    [f"parallel.pipeline.schedule={schedule}", f"mesh.stage={S}", f"mesh.data={8 // S}",
-     f"parallel.pipeline.microbatches={M}", *extra]
-    for schedule, extra in (("gpipe", ()), ("1f1b", ()),
-                            ("interleaved", ("parallel.pipeline.virtual=2", "model.n_layers=8")))
-    for S in (2, 4) for M in (4, 8)
-] + [
+# Plain 1F1B over data x stage is verified by tests/test_factorisations.py; here each schedule at the
+# stage and microbatch counts that change its table, and the pipeline composed with the rest. The
+# quick tier keeps the interleaved layout (the 1F1B executor, layers stored out of order); GPipe's
+# executor is compiled there by the test below.
+QUICK_LAYOUTS = [  # 4 layers: a chunk of one layer for each of the 2 x 2 virtual stages
+    ["parallel.pipeline.schedule=interleaved", "mesh.stage=2", "mesh.data=4", "parallel.pipeline.microbatches=4",
+     "parallel.pipeline.virtual=2"],
+]
+SLOW_LAYOUTS = [
+    ["parallel.pipeline.schedule=gpipe", "mesh.stage=2", "mesh.data=4", "parallel.pipeline.microbatches=4"],
+    ["parallel.pipeline.schedule=gpipe", "mesh.stage=4", "mesh.data=2", "parallel.pipeline.microbatches=8"],
+    ["parallel.pipeline.schedule=1f1b", "mesh.stage=4", "mesh.data=2", "parallel.pipeline.microbatches=8"],
+    ["parallel.pipeline.schedule=interleaved", "mesh.stage=4", "mesh.data=2", "parallel.pipeline.microbatches=8",
+     "parallel.pipeline.virtual=2", "model.n_layers=8"],
     ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=1"],
     ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=3"],
     ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=2", "train.precision=bf16"],
@@ -73,35 +81,61 @@ LAYOUTS = [
     ["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.virtual=2",
      "model.n_layers=8", "parallel.pipeline.recompute=true", "train.precision=bf16"],
 ]
+LAYOUTS = ([pytest.param(layout, id=" ".join(layout)) for layout in QUICK_LAYOUTS]
+           + [pytest.param(layout, id=" ".join(layout), marks=pytest.mark.slow) for layout in SLOW_LAYOUTS])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[" ".join(layout) for layout in LAYOUTS])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_pipelined_layout_matches_single_device(layout, session_for):
-    result = verify(session_for("train.steps=3", *layout), log=lambda line: None)
+    result = verify(session_for("train.steps=3", *SMALL_MODEL, *layout), log=lambda line: None)
     assert result["ok"], result
 
 
+def test_gpipe_sends_activations_forward_and_their_cotangents_back():
+    """GPipe's step, compiled (not run), S=2, M=4: one microbatch's activations go forward between
+    stages by collective-permute at each of the M + S - 1 forward ticks, and autodiff's transpose
+    sends their cotangents back as often; the last chunk's outputs (all M microbatches) reach every
+    stage in one all-reduce over `stage`, for the head spread over the stages."""
+    from jaxpar.plan import measure_step
+    from jaxpar.presets import load_config
+    from jaxpar.session import prepare
+    from jaxpar.train.trainer import Trainer
+
+    session = prepare(load_config(None, [*SMALL_MODEL, "mesh.data=4", "mesh.stage=2", "train.batch_size=32",
+                                         "parallel.pipeline.schedule=gpipe", "parallel.pipeline.microbatches=4"]))
+    ops = measure_step(Trainer(session))["collective_ops"]
+    microbatch_bytes = 32 // 4 // 4 * 32 * 64 * 4  # rows per device and microbatch x seq x d_model x fp32
+    permutes = [op for op in ops if op["op"] == "collective-permute"]
+    assert [(op["mesh_axes"], op["count"], op["bytes"]) for op in permutes] == [(["stage"], 4 + 2 - 1,
+                                                                                 microbatch_bytes)] * 2
+    assert any(op["op"] == "all-reduce" and op["mesh_axes"] == ["stage"] and op["bytes"] == 4 * microbatch_bytes
+               for op in ops)
+
+
+@pytest.mark.slow
 def test_2bw_really_uses_one_step_stale_weights(session_for, monkeypatch):
     """Against a reference without the stale rule, 2BW must differ: the rule is in effect."""
     original = verify_module.reference_config
     monkeypatch.setattr(verify_module, "reference_config",
                         lambda cfg: original(cfg).replace(**{"parallel.pipeline.schedule": "1f1b"}))
-    result = verify(session_for("train.steps=3", "mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=2bw"),
-                    log=lambda line: None)
+    result = verify(session_for("train.steps=3", *SMALL_MODEL, "mesh.data=4", "mesh.stage=2",
+                                "parallel.pipeline.schedule=2bw"), log=lambda line: None)
     assert not result["ok"] and result["loss_max_rel_err"] > 1e-4
 
 
+@pytest.mark.slow
 def test_pipeline_idle_fraction_is_in_the_metrics(session_for):
     from jaxpar.train.loop import train
 
-    session = session_for("mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=8", "train.steps=2",
-                          "train.log_every=1", "train.eval_batches=1")
+    session = session_for(*SMALL_MODEL, "mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=8",
+                          "train.steps=2", "train.log_every=1", "train.eval_batches=1", "train.sample_tokens=8")
     train(session, progress=False)
     lines = (session.cfg.run.dir + "/metrics.jsonl")
     records = [json.loads(line) for line in open(lines).read().splitlines()]
     assert records[-1]["pipeline_idle_fraction"] == pytest.approx(3 / 11)
 
 
+@pytest.mark.slow
 def test_1f1b_bounds_activation_memory_by_stages_not_microbatches():
     """At S=4, M=16, with activations dominating, 1F1B needs at most half of GPipe's temporaries."""
     import os
@@ -122,6 +156,7 @@ def test_1f1b_bounds_activation_memory_by_stages_not_microbatches():
     assert temps["1f1b"] <= 0.5 * temps["gpipe"]
 
 
+@pytest.mark.slow
 def test_1f1b_executes_the_matmuls_of_data_parallelism_and_recompute_adds_a_forward():
     """S=4, M=8, remat none, 8 layers, batch 32: 1F1B keeps each forward's residuals, so the
     matmul FLOPs its devices execute (each tick branch costed from its compiled computation and

@@ -80,6 +80,7 @@ def tiny_search(budget=1e12, top=None, **fixed):
     return search(cfg, jax.devices()[:4], ROUND, budget, {"mesh.stage": 1, **fixed}, progress=False, top=top)
 
 
+@pytest.mark.slow
 def test_search_ranks_prunes_and_caches():
     full = tiny_search()
     ranked = full.ranked
@@ -104,6 +105,7 @@ def test_search_ranks_prunes_and_caches():
     assert all(c.bytes_per_device < ranked[0].bytes_per_device for c in tight.ranked)
 
 
+@pytest.mark.slow
 def test_memory_ladder_takes_the_first_rung_that_fits():
     layout = {"mesh.data": 4, "mesh.tensor": 1, "mesh.expert": 1, "parallel.zero": 0}
     roomy = tiny_search(**layout)
@@ -117,6 +119,7 @@ def test_memory_ladder_takes_the_first_rung_that_fits():
     assert (best.overrides["train.remat"], best.overrides["train.grad_accum"]) == rungs[-1]
 
 
+@pytest.mark.slow
 def test_no_layout_fits_is_one_sentence(capsys):
     code = main(["plan", "--search", *TINY, "run.devices=4", "mesh.stage=1", "--memory-gb", "1e-6",
                  "--no-progress"])
@@ -128,6 +131,7 @@ def test_no_layout_fits_is_one_sentence(capsys):
     assert err[-1].endswith(" GB for its state alone.")
 
 
+@pytest.mark.slow
 def test_plan_search_best_trains(capsys, tmp_path):
     code = main(["plan", "--search", *TINY, "run.devices=4", "mesh.stage=1", "parallel.zero=0", "--no-progress",
                  "--top", "3"])

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxpar.config import ModelConfig
@@ -14,6 +15,7 @@ from jaxpar.train.step import token_loss
 from jaxpar.train.trainer import Trainer
 
 
+@pytest.mark.slow
 def test_fp16_follows_the_fp32_loss_curve(session_for):
     """The tiny preset's shape, 100 steps: fp16 with loss scaling stays within 2% of fp32 at every step."""
     losses = {}
@@ -33,6 +35,7 @@ def test_fp16_follows_the_fp32_loss_curve(session_for):
     assert float(history[-1]["loss_scale"]) == INITIAL_FP16_SCALE and int(history[-1]["skipped_steps"]) == 0
 
 
+@pytest.mark.slow
 def test_overflowing_step_is_skipped_and_the_scale_halves(session_for):
     session = session_for("mesh.data=4", "mesh.tensor=2", "train.precision=fp16")
     trainer = Trainer(session)
@@ -67,6 +70,7 @@ def test_scale_doubles_after_a_window_of_good_steps():
     assert float(LossScale.initial(POLICIES["bf16"]).scale) == 1.0
 
 
+@pytest.mark.slow
 def test_gradients_that_underflow_in_fp16_survive_with_loss_scaling():
     """A small loss term (weight 1e-4) has gradients below fp16's range; scaling brings them back."""
     cfg = ModelConfig()
@@ -96,6 +100,7 @@ TINY = ("model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=
         "train.batch_size=8")
 
 
+@pytest.mark.slow
 def test_fp32_nonfinite_step_is_skipped_under_on_nonfinite_skip(session_for):
     """fp32 with train.on_nonfinite=skip: a step whose gradients are not finite leaves parameters and
     optimizer state bit-identical and counts one skipped step; the next finite step updates again."""
@@ -125,6 +130,7 @@ def test_fp32_nonfinite_step_is_skipped_under_on_nonfinite_skip(session_for):
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(moved)))
 
 
+@pytest.mark.slow
 def test_on_nonfinite_skip_trains_on_where_stop_would_end_the_run(tmp_path, capsys):
     """The loop under train.on_nonfinite=skip: a learning rate of 1e30 overflows the weights after
     step 1, every later step is skipped and counted, and the run ends normally (exit 0). (The stop

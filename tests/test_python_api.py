@@ -26,6 +26,7 @@ def guide_example() -> str:
     return found.group(1)
 
 
+@pytest.mark.slow
 def test_the_guide_example_runs_and_agrees_with_one_device(capsys):
     namespace = {"__name__": "readme_example"}
     exec(compile(guide_example(), "docs/python-api.md", "exec"), namespace)
@@ -42,6 +43,7 @@ def test_the_guide_example_runs_and_agrees_with_one_device(capsys):
         "stage", None, None, ("tensor", "data"))
 
 
+@pytest.mark.slow
 def test_the_guide_model_pipelines_with_remat(tmp_path):
     """The block protocol is all a pipeline needs: the guide's model on data=2 x tensor=2 x stage=2."""
     namespace = {"__name__": "readme_example"}

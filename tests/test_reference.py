@@ -64,10 +64,12 @@ LLAMA = ["model.n_kv_heads=2", "model.mlp=swiglu", "model.rope_theta=500000", "m
          "model.tie_embeddings=false", "model.d_ff=96"]
 
 
-@pytest.mark.parametrize("model", [["model.positions=rope", "model.tie_embeddings=true"],
-                                   ["model.positions=learned", "model.tie_embeddings=false"],
-                                   LLAMA, [*LLAMA, "model.n_kv_heads=1"]],
-                         ids=["rope-tied", "learned-untied", "llama", "llama-mqa"])
+@pytest.mark.parametrize("model", [
+    pytest.param(["model.positions=rope", "model.tie_embeddings=true"], id="rope-tied", marks=pytest.mark.slow),
+    pytest.param(["model.positions=learned", "model.tie_embeddings=false"], id="learned-untied",
+                 marks=pytest.mark.slow),
+    pytest.param(LLAMA, id="llama"),  # the quick tier's: grouped-query heads, SwiGLU, an untied head
+    pytest.param([*LLAMA, "model.n_kv_heads=1"], id="llama-mqa", marks=pytest.mark.slow)])
 def test_single_device_step_matches_reference(session_for, model):
     session = session_for(*SETTINGS, *model)
     initial, final, metrics = run_jaxpar(session)

@@ -1,6 +1,7 @@
 """The step's layer scan (jaxpar.train.remat): rematerialization policies and sqrt segments."""
 
 import jax
+import pytest
 from flax import nnx
 
 from jaxpar.config import ModelConfig
@@ -28,6 +29,7 @@ def _remat_gradients(n_layers: int, remat: str):
     return (*step(params), step.lower(params).compile().memory_analysis().temp_size_in_bytes)
 
 
+@pytest.mark.slow
 def test_sqrt_remat_with_a_prime_layer_count_uses_about_sqrt_l_segments():
     """L=13: segments of round(sqrt 13) = 4 layers and a last one of 1, not one segment of 13.
     Same values and gradients as no remat; far fewer temporaries than keeping every layer's."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import resumed_run_matches, train_here
+from helpers import resumed_run_matches, train_here
 
 from jaxpar.cli import main
 
@@ -36,6 +36,7 @@ def test_tokenize_writes_a_lossless_folder(docs_and_tokens):
     assert Tokenizer.from_file(str(tok / "tokenizer.json")).decode(ids.tolist()) == docs.read_text(encoding="utf-8")
 
 
+@pytest.mark.slow
 def test_train_on_tokens_with_periodic_validation(docs_and_tokens, tmp_path, capsys):
     """The issue's acceptance run: the default model, 60 steps, validation every 20."""
     _, tok = docs_and_tokens
@@ -50,6 +51,7 @@ def test_train_on_tokens_with_periodic_validation(docs_and_tokens, tmp_path, cap
     assert sample.startswith("The ") and len(sample) > len("The ")  # decoded by the tokenizer, not as bytes
 
 
+@pytest.mark.slow
 def test_resume_on_token_files_repeats_the_same_batches(docs_and_tokens, tmp_path, capsys):
     _, tok = docs_and_tokens
     assert resumed_run_matches(capsys, tmp_path, [f"data.source={tok}", "model.vocab_size=2048"], steps=8, cut=4)

@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
+
 from jaxpar.cli import main
 
 REQUIRED_METRICS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s"}
 
 
+@pytest.mark.slow
 def test_default_model_loss_falls_on_data4_tensor2(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = main(["train", "configs/default.yaml", "train.steps=40", "train.log_every=5", f"run.dir={run_dir}",
@@ -25,6 +28,7 @@ def test_default_model_loss_falls_on_data4_tensor2(tmp_path, capsys):
     assert "validation loss" in out and "sample:" in out
 
 
+@pytest.mark.slow
 def test_same_seed_same_run(session_for):
     """Two runs of the same config produce identical losses (deterministic data and init)."""
     import jax

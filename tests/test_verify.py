@@ -1,20 +1,19 @@
 """Every layout trains to the same numbers as the single-device reference."""
 
 import pytest
+from helpers import SMALL_MODEL
 
 from jaxpar.precision import POLICIES
 from jaxpar.train import verify as verify_module
 from jaxpar.train.verify import verify
 
+# Each mesh split alone is verified by tests/test_factorisations.py; here the switches on top of one.
 LAYOUTS = {
-    "data=8": ["mesh.data=8"],
-    "data=4 x tensor=2": ["mesh.data=4", "mesh.tensor=2"],
-    "data=2 x tensor=4": ["mesh.data=2", "mesh.tensor=4"],
+    "data=4 x tensor=2, zero 3": ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3"],
     "data=8, grad_accum=4": ["mesh.data=8", "train.grad_accum=4"],
     "data=8, zero 1": ["mesh.data=8", "parallel.zero=1"],
     "data=8, zero 2": ["mesh.data=8", "parallel.zero=2"],
     "data=8, zero 3": ["mesh.data=8", "parallel.zero=3"],
-    "data=4 x tensor=2, zero 3": ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3"],
     "data=2 x tensor=2 x expert=2, zero 2, grad_accum=2": [
         "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=2", "train.grad_accum=2"],
     "data=8, remat full": ["mesh.data=8", "train.remat=full"],
@@ -25,19 +24,22 @@ LAYOUTS = {
     "data=2 x tensor=2 x expert=2, learned positions, untied head": [
         "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "model.positions=learned", "model.tie_embeddings=false"],
 }
+QUICK = ("data=4 x tensor=2, zero 3",)  # the quick tier's verify: tensor parallelism and ZeRO-3 at once
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow)
+                                    for name in LAYOUTS])
 def test_layout_matches_single_device(layout, session_for):
-    result = verify(session_for("train.steps=3", *LAYOUTS[layout]), log=lambda line: None)
+    result = verify(session_for("train.steps=3", *SMALL_MODEL, *LAYOUTS[layout]), log=lambda line: None)
     assert result["ok"], result
     assert result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_stays_within_its_tolerance_of_fp32(session_for, precision):
-    result = verify(session_for("train.steps=5", "mesh.data=4", "mesh.tensor=2", f"train.precision={precision}"),
-                    log=lambda line: None)
+    result = verify(session_for("train.steps=5", *SMALL_MODEL, "mesh.data=4", "mesh.tensor=2",
+                                f"train.precision={precision}"), log=lambda line: None)
     loss_tol, param_tol = POLICIES[precision].tolerances
     assert result["ok"], result
     assert result["loss_max_rel_err"] <= loss_tol and result["param_max_rel_err"] <= param_tol
@@ -45,21 +47,23 @@ def test_half_precision_stays_within_its_tolerance_of_fp32(session_for, precisio
     assert result["param_max_rel_err"] > POLICIES["fp32"].tolerances[1]
 
 
+@pytest.mark.slow
 def test_verify_detects_a_different_trajectory(session_for, monkeypatch):
     """The comparison can fail: a reference with another learning rate must be reported."""
     original = verify_module.reference_config
     monkeypatch.setattr(verify_module, "reference_config", lambda cfg: original(cfg).replace(**{"train.lr": 1e-3}))
-    result = verify(session_for("train.steps=3", "mesh.data=8"), log=lambda line: None)
+    result = verify(session_for("train.steps=3", *SMALL_MODEL, "mesh.data=8"), log=lambda line: None)
     assert not result["ok"]
     assert result["param_max_rel_err"] > 1e-4
 
 
+@pytest.mark.slow
 def test_verify_cli_prints_json_last_line(tmp_path, capsys):
     import json
 
     from jaxpar.cli import main
 
-    code = main(["verify", "mesh.data=8", "train.grad_accum=2", f"run.dir={tmp_path}"])
+    code = main(["verify", *SMALL_MODEL, "mesh.data=8", "train.grad_accum=2", f"run.dir={tmp_path}"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     result = json.loads(last)
     assert code == 0 and result["ok"] is True and result["steps"] == 3

@@ -1,0 +1,56 @@
+"""Helpers the test modules share: runs of `jaxpar train` in this process and what they leave.
+
+Every run is the tiny preset with one metrics line per step. The learning-rate schedule spans 40
+steps whatever train.steps is, so a run of any length follows the same trajectory as the
+uninterrupted 40-step `reference` run (a fixture in conftest.py).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+# A model small enough that a verify of two layouts runs in seconds, big enough to show every layout's
+# property: 4 layers of 4 heads of 16, 32 positions, the default batch of 32.
+SMALL_MODEL = ("model.d_model=64", "model.d_ff=256", "model.seq_len=32")
+
+BASE = ["configs/tiny_test.yaml", "train.log_every=1", "train.lr_schedule_steps=40", "train.eval_batches=1"]
+# step_time_s and tokens_per_s are wall-clock; everything else must match exactly.
+DETERMINISTIC = ("step", "loss", "grad_norm", "lr", "loss_scale", "skipped_steps")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: json.loads(line)[k] for k in DETERMINISTIC} for line in lines]
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    folder = run_dir / "checkpoints"
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
+
+
+def partial_saves(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir() if ".orbax-checkpoint-tmp" in p.name)
+
+
+def train_here(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
+    """`jaxpar train` in this process; returns the exit code and stderr."""
+    from jaxpar.cli import main
+
+    code = main(["train", "--no-progress", *BASE, f"run.dir={run_dir}", *overrides])
+    return code, capsys.readouterr().err
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+def resumed_run_matches(capsys, tmp_path: Path, settings: list[str], steps: int, cut: int) -> bool:
+    """Whether a run of `steps` steps cut at a checkpoint at `cut` and resumed logs exactly the metrics
+    of the uninterrupted run (both train in this process with BASE and `settings`)."""
+    whole, resumed = tmp_path / "whole", tmp_path / "cut"
+    assert train_here(capsys, whole, *settings, f"train.steps={steps}")[0] == 0
+    assert train_here(capsys, resumed, *settings, f"train.steps={cut}", f"checkpoint.every={cut}")[0] == 0
+    assert train_here(capsys, resumed, *settings, f"train.steps={steps}")[0] == 0
+    return metrics(resumed) == metrics(whole)
