@@ -106,4 +106,5 @@ def test_moe_model_trains_and_samples_text(session_for):
     summary = train(session_for(*MOE, *SMALL, "model.moe.router=topk", "mesh.data=2", "mesh.expert=4",
                                 "train.steps=3", "train.eval_batches=1"), progress=False)
     assert summary["final_loss"] < summary["first_loss"]
-    assert summary["sample"].startswith("The ") and len(summary["sample"]) > 100
+    # The sample is capped at one training sequence (model.seq_len=32 positions, prompt included).
+    assert summary["sample"].startswith("The ") and len(summary["sample"].encode()) == 32
