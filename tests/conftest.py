@@ -3,7 +3,11 @@
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# LLVM's optimisation level 1 (XLA's default is 3): compiling, most of a test's time, takes half as
+# long, the default model's step runs 3% slower (0.649 s against 0.629 s on 2 cores), and its losses
+# stay the same. XLA's own passes (SPMD partitioning, fusion, scheduling) are those users get.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # XLA's persistent compilation cache, fresh for each run of the suite (and its subprocesses): many tests
 # compile the same program (every verify's single-device reference of the same model, say), and
@@ -65,10 +69,25 @@ def trainer():
     return Trainer(session)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Longest first, so that pytest-xdist's workers finish together: the tests that start processes,
+    then the other slow ones, then the quick ones (each in the order of its file)."""
+    items.sort(key=lambda item: (item.get_closest_marker("distributed") is None,
+                                 item.get_closest_marker("slow") is None))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4 (each emulates 8 devices and compiles on its own)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Remove this run's compilation cache (only one this conftest made: it is named after the run)."""
+    """Remove this run's compilation cache (only one this conftest made: it is named after the run),
+    once, in the process that made it: pytest-xdist's workers inherit it and share it."""
     import shutil
 
+    if hasattr(session.config, "workerinput"):
+        return
     folder = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
     if os.path.basename(folder).startswith("jaxpar-tests-xla-cache-"):
         shutil.rmtree(folder, ignore_errors=True)

@@ -14,6 +14,9 @@ from helpers import BASE, checkpoint_steps, copy_of, metrics, partial_saves, tra
 
 from jaxpar.train.checkpoint import Checkpoints
 
+# The session's checkpoint runs (conftest.py) are made once, on one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("checkpoint_runs")
+
 
 @pytest.mark.slow
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, capsys, reference):

@@ -23,6 +23,9 @@ from helpers import BASE, checkpoint_steps, copy_of, metrics, partial_saves, tra
 
 from jaxpar.train.checkpoint import Checkpoints, is_damage
 
+# The session's checkpoint runs (conftest.py) are made once, on one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("checkpoint_runs")
+
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120
 

@@ -31,6 +31,9 @@ import jaxpar.train.verify  # noqa: F401
 from jaxpar.cli import main
 from jaxpar.config import Config, _leaf_types, all_keys
 
+# This module's fixtures are built once, on one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("test_config_fuzz")
+
 settings.register_profile("config_fuzz", deadline=None, derandomize=True, database=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 # JAXPAR_FUZZ_EXAMPLES=5000 fuzzes longer (still deterministic); CI runs the default.

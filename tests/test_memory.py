@@ -5,6 +5,9 @@ import pytest
 from jaxpar.plan import measure_step
 from jaxpar.train.trainer import Trainer
 
+# This module's fixtures are built once, on one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("test_memory")
+
 # An 8.7M-parameter model (P = 34.9 MB fp32) on data=8.
 MODEL_8M = ("model.d_model=256", "model.n_layers=11", "model.n_heads=8", "model.d_ff=1024", "mesh.data=8")
 # Activations dominate: 32 layers, 8 sequences of 256 tokens per device.

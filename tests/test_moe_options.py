@@ -14,6 +14,9 @@ from jaxpar.model import Transformer
 from jaxpar.presets import load_config
 from jaxpar.train.step import objective, row_keys
 
+# This module's fixtures are built once, on one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("test_moe_options")
+
 # Two layers, both MoE (every=1), four groups of 32 tokens per batch.
 TINY_MOE = ("model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=2", "model.seq_len=32",
             "model.moe.experts=4", "model.moe.every=1", "model.moe.group_size=32", "model.moe.router=topk")

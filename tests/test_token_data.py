@@ -11,6 +11,9 @@ from helpers import resumed_run_matches, train_here
 
 from jaxpar.cli import main
 
+# This module's fixtures are built once, on one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("test_token_data")
+
 
 @pytest.fixture(scope="module")
 def docs_and_tokens(tmp_path_factory):
