@@ -272,7 +272,6 @@ def test_export_refuses_a_model_no_family_holds(tmp_path, capsys):
 # ---------------------------------------------------------------- tokenizer and generation
 
 
-@pytest.mark.slow
 def test_tokenize_with_a_checkpoints_tokenizer_and_generate(tmp_path, capsys):
     """`jaxpar tokenize --tokenizer DIR` encodes with the checkpoint's tokenizer.json (no BOS per line),
     training on it runs, and `jaxpar generate` decodes with it from the run and from the checkpoint."""

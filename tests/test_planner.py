@@ -119,7 +119,6 @@ def test_memory_ladder_takes_the_first_rung_that_fits():
     assert (best.overrides["train.remat"], best.overrides["train.grad_accum"]) == rungs[-1]
 
 
-@pytest.mark.slow
 def test_no_layout_fits_is_one_sentence(capsys):
     code = main(["plan", "--search", *TINY, "run.devices=4", "mesh.stage=1", "--memory-gb", "1e-6",
                  "--no-progress"])
