@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+from pathlib import Path
 
 # XLA's backend optimisation level 1 (its default is 3): compiling, most of a test's time, takes half
 # as long, the default model's step runs 3% slower (0.649 s against 0.629 s on 2 cores), and its 40
@@ -49,7 +50,7 @@ def reference(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def ten_steps(tmp_path_factory):
+def ten_steps(tmp_path_factory) -> Path:
     """A 10-step run with checkpoints at steps 5 and 10; tests copy it before changing it."""
     from jaxpar.cli import main
 
