@@ -6,6 +6,9 @@ takes every split of the 8 devices over (data, tensor, expert, stage), a mixture
 model whenever expert > 1, and checks that each either compiles its train step (the `plan`
 path, nothing is run) or is refused by validation before anything is compiled. Then one
 representative of each combination of axes > 1 is trained with `verify`; the rest compile only.
+A factorisation that another module already verifies (with switches on top) is neither compiled
+nor verified again here: `test_every_factorisation_is_verified_here_or_elsewhere` keeps the
+two lists together.
 """
 
 import itertools
@@ -20,10 +23,10 @@ from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
 
 DEVICES = 8
-# Heads, FFN and vocabulary divide by 8; 8 layers split over up to 8 stages; 16 sequences
-# divide by data x expert x microbatches (microbatches = stages).
-MODEL = ("model.d_model=32", "model.n_heads=8", "model.d_ff=64", "model.n_layers=8", "model.seq_len=16",
-         "train.batch_size=16")
+# Heads, FFN and vocabulary divide by 8; 16 sequences divide by data x expert x microbatches
+# (microbatches = stages). The layers are as few as the stages allow (one per stage, two under MoE
+# where every other layer is a mixture): a pipeline compiles each stage's layers, so fewer is quicker.
+MODEL = ("model.d_model=32", "model.n_heads=8", "model.d_ff=64", "model.seq_len=16", "train.batch_size=16")
 
 
 def _factorisations() -> list[dict[str, int]]:
@@ -35,7 +38,9 @@ def _factorisations() -> list[dict[str, int]]:
 
 
 def _overrides(sizes: dict[str, int], run_dir) -> list[str]:
-    out = [f"run.dir={run_dir}", *MODEL, *(f"mesh.{axis}={size}" for axis, size in sizes.items()),
+    layers = max(2, sizes["stage"]) * (2 if sizes["expert"] > 1 else 1)
+    out = [f"run.dir={run_dir}", *MODEL, f"model.n_layers={layers}",
+           *(f"mesh.{axis}={size}" for axis, size in sizes.items()),
            f"parallel.pipeline.microbatches={max(2, sizes['stage'])}"]
     if sizes["expert"] > 1:
         out += ["model.moe.experts=8", "model.moe.every=2"]
@@ -67,8 +72,55 @@ def _representatives() -> list[dict[str, int]]:
 REPRESENTATIVES = _representatives()
 
 
+def _mesh_sizes(overrides) -> dict[str, int]:
+    sizes = {axis: 1 for axis in MESH_AXES}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.startswith("mesh.") and key[len("mesh."):] in sizes:
+            sizes[key[len("mesh."):]] = int(value)
+    return sizes
+
+
+def _verified_elsewhere() -> dict[str, str]:
+    """Factorisation name -> the module that verifies it (with other switches on top)."""
+    import test_long_context
+    import test_moe
+    import test_moe_pipeline
+    import test_pipeline
+    import test_verify
+
+    layouts = {
+        "tests/test_verify.py": list(test_verify.LAYOUTS.values()),
+        "tests/test_pipeline.py": test_pipeline.QUICK_LAYOUTS + test_pipeline.SLOW_LAYOUTS,
+        "tests/test_moe.py": [layout for _, layout in test_moe.LAYOUTS],
+        "tests/test_moe_pipeline.py": [test_moe_pipeline.MOE_PIPELINE],
+        "tests/test_long_context.py": list(test_long_context.LAYOUTS.values()),
+    }
+    found = {}
+    for module, overrides_list in layouts.items():
+        for overrides in overrides_list:
+            found.setdefault(_name(_mesh_sizes(overrides)), module)
+    return found
+
+
+# Compiled and verified by the modules named in _verified_elsewhere(); checked by the test below.
+ELSEWHERE = ("data=8", "data=4 x tensor=2", "data=2 x tensor=4", "data=2 x expert=4", "data=4 x stage=2",
+             "data=2 x stage=4", "data=2 x tensor=2 x expert=2", "data=2 x tensor=2 x stage=2",
+             "data=2 x expert=2 x stage=2")
+HERE = [sizes for sizes in FACTORISATIONS if _name(sizes) not in ELSEWHERE]
+
+
+def test_every_factorisation_is_verified_here_or_elsewhere():
+    """Each factorisation skipped here is verified by another module, so every set of axes is verified
+    somewhere: by its representative here, or there."""
+    elsewhere = _verified_elsewhere()
+    assert set(ELSEWHERE) <= set(elsewhere), set(ELSEWHERE) - set(elsewhere)
+    for sizes in REPRESENTATIVES:
+        assert sizes in HERE or _name(sizes) in ELSEWHERE, _name(sizes)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", FACTORISATIONS, ids=_name)
+@pytest.mark.parametrize("sizes", HERE, ids=_name)
 def test_layout_is_refused_in_one_sentence_or_compiles_and_representatives_verify(sizes, tmp_path):
     """A representative trains 2 steps beside the single-device reference (which compiles it
     too); the other factorisations of the same axes are compiled only."""
