@@ -3,19 +3,18 @@
 import json
 
 import pytest
-
-from jaxpar.cli import main
+from helpers import SMALL_MODEL, run_jaxpar_at_level_1
 
 REQUIRED_METRICS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s"}
 
 
 @pytest.mark.slow
-def test_default_model_loss_falls_on_data4_tensor2(tmp_path, capsys):
+def test_default_model_loss_falls_on_data4_tensor2(tmp_path):
     run_dir = tmp_path / "run"
-    code = main(["train", "configs/default.yaml", "train.steps=40", "train.log_every=5", f"run.dir={run_dir}",
-                 "--no-progress"])
-    out = capsys.readouterr().out
-    assert code == 0
+    done = run_jaxpar_at_level_1("train", "configs/default.yaml", "train.steps=40", "train.log_every=5",
+                                 f"run.dir={run_dir}", "--no-progress")
+    out = done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 5, 10, 15, 20, 25, 30, 35, 40]
     assert all(REQUIRED_METRICS <= set(r) for r in records)
@@ -37,7 +36,7 @@ def test_same_seed_same_run(session_for):
 
     runs = []
     for _ in range(2):
-        session = session_for("train.steps=3", "mesh.data=8")
+        session = session_for("train.steps=3", *SMALL_MODEL, "mesh.data=8")
         trainer = Trainer(session)
         state, losses = trainer.init(), []
         for index in range(3):

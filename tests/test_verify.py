@@ -7,20 +7,18 @@ from jaxpar.precision import POLICIES
 from jaxpar.train import verify as verify_module
 from jaxpar.train.verify import verify
 
-# Each mesh split alone is verified by tests/test_factorisations.py; here the switches on top of one.
+# Each mesh split alone is verified by tests/test_factorisations.py (or by the module it names);
+# here the switches on top of one. Switches that do not interact share a run: each one's code is
+# checked once, and their composition with it.
 LAYOUTS = {
     "data=4 x tensor=2, zero 3": ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3"],
-    "data=8, grad_accum=4": ["mesh.data=8", "train.grad_accum=4"],
-    "data=8, zero 1": ["mesh.data=8", "parallel.zero=1"],
-    "data=8, zero 2": ["mesh.data=8", "parallel.zero=2"],
-    "data=8, zero 3": ["mesh.data=8", "parallel.zero=3"],
+    "data=8, zero 1, grad_accum=4": ["mesh.data=8", "parallel.zero=1", "train.grad_accum=4"],
+    "data=8, zero 2, remat full": ["mesh.data=8", "parallel.zero=2", "train.remat=full"],
+    "data=8, adafactor, zero 3, remat dots": ["mesh.data=8", "train.optimizer=adafactor", "parallel.zero=3",
+                                              "train.remat=dots"],
     "data=2 x tensor=2 x expert=2, zero 2, grad_accum=2": [
         "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=2", "train.grad_accum=2"],
-    "data=8, remat full": ["mesh.data=8", "train.remat=full"],
-    "data=8, remat dots": ["mesh.data=8", "train.remat=dots"],
     "data=4 x tensor=2, remat sqrt, 9 layers": ["mesh.data=4", "mesh.tensor=2", "train.remat=sqrt", "model.n_layers=9"],
-    "data=8, adafactor": ["mesh.data=8", "train.optimizer=adafactor"],
-    "data=8, adafactor, zero 3": ["mesh.data=8", "train.optimizer=adafactor", "parallel.zero=3"],
     "data=2 x tensor=2 x expert=2, learned positions, untied head": [
         "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "model.positions=learned", "model.tie_embeddings=false"],
 }
@@ -52,7 +50,8 @@ def test_verify_detects_a_different_trajectory(session_for, monkeypatch):
     """The comparison can fail: a reference with another learning rate must be reported."""
     original = verify_module.reference_config
     monkeypatch.setattr(verify_module, "reference_config", lambda cfg: original(cfg).replace(**{"train.lr": 1e-3}))
-    result = verify(session_for("train.steps=3", *SMALL_MODEL, "mesh.data=8"), log=lambda line: None)
+    result = verify(session_for("train.steps=3", *SMALL_MODEL, *LAYOUTS["data=8, zero 2, remat full"]),
+                    log=lambda line: None)
     assert not result["ok"]
     assert result["param_max_rel_err"] > 1e-4
 
@@ -63,7 +62,8 @@ def test_verify_cli_prints_json_last_line(tmp_path, capsys):
 
     from jaxpar.cli import main
 
-    code = main(["verify", *SMALL_MODEL, "mesh.data=8", "train.grad_accum=2", f"run.dir={tmp_path}"])
+    # a layout verified above: its programs come from the compilation cache
+    code = main(["verify", *SMALL_MODEL, *LAYOUTS["data=8, zero 1, grad_accum=4"], f"run.dir={tmp_path}"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     result = json.loads(last)
     assert code == 0 and result["ok"] is True and result["steps"] == 3
