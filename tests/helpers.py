@@ -6,7 +6,10 @@ uninterrupted 40-step `reference` run (a fixture in conftest.py).
 """
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 # A model small enough that a verify of two layouts runs in seconds, big enough to show every layout's
@@ -54,3 +57,11 @@ def resumed_run_matches(capsys, tmp_path: Path, settings: list[str], steps: int,
     assert train_here(capsys, resumed, *settings, f"train.steps={cut}", f"checkpoint.every={cut}")[0] == 0
     assert train_here(capsys, resumed, *settings, f"train.steps={steps}")[0] == 0
     return metrics(resumed) == metrics(whole)
+
+
+def run_jaxpar_at_level_1(*args: str) -> subprocess.CompletedProcess:
+    """`python -m jaxpar ...` with XLA's backend optimisation level 1 instead of the tests' level 0
+    (conftest.py): for runs of tens of steps, whose time goes into the steps, not the compiles."""
+    flags = os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "--xla_backend_optimization_level=1")
+    return subprocess.run([sys.executable, "-m", "jaxpar", *args], capture_output=True, text=True,
+                          env={**os.environ, "XLA_FLAGS": flags}, timeout=600)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import resumed_run_matches, train_here
+from helpers import resumed_run_matches, run_jaxpar_at_level_1, train_here
 
 from jaxpar.cli import main
 
@@ -40,13 +40,13 @@ def test_tokenize_writes_a_lossless_folder(docs_and_tokens):
 
 
 @pytest.mark.slow
-def test_train_on_tokens_with_periodic_validation(docs_and_tokens, tmp_path, capsys):
+def test_train_on_tokens_with_periodic_validation(docs_and_tokens, tmp_path):
     """The issue's acceptance run: the default model, 60 steps, validation every 20."""
     _, tok = docs_and_tokens
     run = tmp_path / "run"
-    code = main(["train", "configs/default.yaml", f"data.source={tok}", "model.vocab_size=2048", "train.steps=60",
-                 "train.eval_every=20", f"run.dir={run}", "--no-progress"])
-    assert code == 0
+    done = run_jaxpar_at_level_1("train", "configs/default.yaml", f"data.source={tok}", "model.vocab_size=2048",
+                                 "train.steps=60", "train.eval_every=20", f"run.dir={run}", "--no-progress")
+    assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_loss" in r] == [20, 40, 60]
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
