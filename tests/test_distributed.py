@@ -67,21 +67,26 @@ def test_two_processes_match_one_process_data_x_tensor(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_pipeline_across_processes_and_checkpoints_cross_process_counts(tmp_path):
+    """One process trains 6 steps (the reference, checkpoints at 2, 4 and 6). Its step-2 checkpoint
+    is resumed by 2 processes, with the stages across them, up to step 4; their step-4 checkpoint is
+    resumed by 1 process up to step 6. Every step's loss is the reference's."""
     settings = ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "mesh.hosts=stage", "parallel.pipeline.microbatches=2",
-                "train.steps=4", "checkpoint.every=2"]
-    _train(tmp_path / "one", *settings)
-    double = _train(tmp_path / "two", *settings, processes=2)
-    assert "2 processes over stage=2" in double.stderr
+                "checkpoint.every=2", "train.lr_schedule_steps=6"]
+    _train(tmp_path / "one", *settings, "train.steps=6")
     reference = _losses(tmp_path / "one")
-    _assert_same_losses(_losses(tmp_path / "two"), reference)
 
-    # Written by 2 processes, resumed by 1 (and the other way round) from step 2.
-    for source, target, processes in (("two", "two_to_one", 1), ("one", "one_to_two", 2)):
-        shutil.copytree(tmp_path / source, tmp_path / target)
-        shutil.rmtree(tmp_path / target / "checkpoints" / "4")
-        resumed = _train(tmp_path / target, *settings, processes=processes)
-        assert "resuming from the checkpoint at step 2" in resumed.stderr
-        _assert_same_losses(_losses(tmp_path / target), reference)
+    run = tmp_path / "one_to_two_to_one"
+    shutil.copytree(tmp_path / "one", run)
+    for step in ("4", "6"):
+        shutil.rmtree(run / "checkpoints" / step)
+    double = _train(run, *settings, "train.steps=4", processes=2)
+    assert "2 processes over stage=2" in double.stderr
+    assert "resuming from the checkpoint at step 2" in double.stderr
+    _assert_same_losses(_losses(run), {step: loss for step, loss in reference.items() if step <= 4})
+
+    single = _train(run, *settings, "train.steps=6")  # from the checkpoint the 2 processes wrote
+    assert "resuming from the checkpoint at step 4" in single.stderr
+    _assert_same_losses(_losses(run), reference)
 
 
 @pytest.mark.slow
