@@ -56,7 +56,8 @@ def test_schedule_cli_reports_idle_fraction_and_draws(tmp_path, capsys):
     assert main(["schedule", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"]) == 2
 
 
-# Plain 1F1B over tensor, expert and stage is verified by tests/test_factorisations.py; here each
+# Plain 1F1B over stage and tensor x stage is verified by tests/test_factorisations.py (with experts, by
+# tests/test_moe_pipeline.py); here each
 # schedule at the stage and microbatch counts that change its table, and the pipeline composed with the
 # rest (every ZeRO stage, tensor, remat, recompute, bf16), switches that do not interact sharing a run.
 # The quick tier keeps the interleaved layout (the 1F1B executor, layers stored out of order); GPipe's
