@@ -4,12 +4,14 @@ import os
 import tempfile
 from pathlib import Path
 
+from helpers import BASE, TESTS_COMPILE_LEVEL, compile_level_flag, metrics  # imports no jax
+
 # XLA's backend optimisation level 0 (its default is 3): compiling is most of a test's time. Measured on
 # 2 cores: a verify's compiles take 11.7 s at level 3, 5.8 s at level 1 and 4.4 s at level 0, and the
 # default model's step 0.63, 0.65 and 1.12 s. The few tests that train the default model for tens of
 # steps run it in a subprocess at level 1 (helpers.run_jaxpar_at_level_1).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
+                           + compile_level_flag(TESTS_COMPILE_LEVEL)).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 # XLA's persistent compilation cache, fresh for each run of the suite (and its subprocesses): many tests
 # compile the same program (every verify's single-device reference of the same model, say), and
@@ -36,8 +38,6 @@ def session_for(tmp_path):
 
 # ---------------------------------------------------------------- checkpoint runs, built once per session
 # for test_checkpoint.py and test_checkpoint_resilience.py (see helpers.py)
-
-from helpers import BASE, metrics  # noqa: E402
 
 
 @pytest.fixture(scope="session")

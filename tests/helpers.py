@@ -59,9 +59,16 @@ def resumed_run_matches(capsys, tmp_path: Path, settings: list[str], steps: int,
     return metrics(resumed) == metrics(whole)
 
 
+def compile_level_flag(level: int) -> str:
+    return f"--xla_backend_optimization_level={level}"
+
+
+TESTS_COMPILE_LEVEL = 0  # the tests' level: conftest.py sets it and says why
+
+
 def run_jaxpar_at_level_1(*args: str) -> subprocess.CompletedProcess:
     """`python -m jaxpar ...` with XLA's backend optimisation level 1 instead of the tests' level 0
     (conftest.py): for runs of tens of steps, whose time goes into the steps, not the compiles."""
-    flags = os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "--xla_backend_optimization_level=1")
+    flags = os.environ["XLA_FLAGS"].replace(compile_level_flag(TESTS_COMPILE_LEVEL), compile_level_flag(1))
     return subprocess.run([sys.executable, "-m", "jaxpar", *args], capture_output=True, text=True,
                           env={**os.environ, "XLA_FLAGS": flags}, timeout=600)
