@@ -193,10 +193,15 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where tokens come from: 'builtin', a .txt file or folder of them, or a uint16 .bin file."""
+    """Where tokens come from: 'builtin', a .txt file or folder of them, a uint16 .bin file, or a
+    tokenized folder; and how rows are cut from them. packing: 'none' cuts windows anywhere in the
+    token stream; 'concat' cuts them too but keeps each document to itself (attention, positions,
+    loss); 'pack' places whole documents into rows, padding the rest (jaxpar.data.packing). Both need
+    documents: 'builtin' (a document per topic) or a folder `jaxpar tokenize` wrote."""
 
     source: str = "builtin"
     val_fraction: float = 0.05
+    packing: Literal["none", "concat", "pack"] = "none"
 
 
 @dataclasses.dataclass(frozen=True)

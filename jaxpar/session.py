@@ -10,6 +10,7 @@ import functools
 from jaxpar import precision
 from jaxpar.config import Config
 from jaxpar.data import BatchSampler, load_tokens, split_tokens
+from jaxpar.data.packing import packed_samplers
 from jaxpar.data.token_folder import TextCodec, tokenizer_folder
 from jaxpar.interop.hf_config import resolve as resolve_hf
 from jaxpar.precision import PrecisionPolicy
@@ -32,10 +33,11 @@ class Session:
     mesh: object  # jax.sharding.Mesh (jax is imported only after the devices are set up)
 
     @functools.cached_property
-    def _samplers(self) -> tuple[BatchSampler, BatchSampler]:
-        m, t = self.cfg.model, self.cfg.train
-        train_tokens, val_tokens = split_tokens(load_tokens(self.cfg.data.source, m.vocab_size),
-                                                self.cfg.data.val_fraction, m.seq_len)
+    def _samplers(self) -> tuple:
+        m, t, d = self.cfg.model, self.cfg.train, self.cfg.data
+        if d.packing != "none":
+            return packed_samplers(d, m, t)
+        train_tokens, val_tokens = split_tokens(load_tokens(d.source, m.vocab_size), d.val_fraction, m.seq_len)
         return (BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed),
                 BatchSampler(val_tokens, m.seq_len, t.batch_size, t.seed))
 
@@ -68,11 +70,12 @@ class Session:
         return TextCodec(tokenizer_folder(self.cfg.data.source, self.cfg.model.from_hf))
 
     @property
-    def train_data(self) -> BatchSampler:
+    def train_data(self):
+        """The training rows: a BatchSampler of windows, or a sampler of packed rows (data.packing)."""
         return self._samplers[0]
 
     @property
-    def val_data(self) -> BatchSampler:
+    def val_data(self):
         return self._samplers[1]
 
 

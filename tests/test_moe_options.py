@@ -12,7 +12,7 @@ from flax import nnx
 from jaxpar.data import BatchSampler, load_tokens
 from jaxpar.model import Transformer
 from jaxpar.presets import load_config
-from jaxpar.train.step import objective, row_keys
+from jaxpar.train.step import RowInputs, objective, row_keys
 
 # This module's fixtures are built once, on one pytest-xdist worker
 pytestmark = pytest.mark.xdist_group("test_moe_options")
@@ -39,7 +39,7 @@ def objective_of():
 
         def run(key, z_weight, graphdef=graphdef, params=params, cfg=cfg):
             moe = dataclasses.replace(cfg.model.moe, z_loss_weight=z_weight)
-            rows = row_keys(key, tokens.shape[0])  # the step's per-row noise keys
+            rows = RowInputs(row_keys(key, tokens.shape[0]))  # the step's per-row noise keys
             return objective(nnx.merge(graphdef, params), tokens, rows, cfg.train, moe)
 
         jitted = jax.jit(run)

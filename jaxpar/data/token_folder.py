@@ -127,6 +127,21 @@ def open_token_folder(source: str, vocab_size: int) -> ShardedTokens:
     return ShardedTokens(shards)
 
 
+def open_mask(source: str, meta: dict) -> ShardedTokens:
+    """A fine-tuning folder's loss mask (uint8 per token, 1 where the loss counts it), shard by shard
+    beside the tokens, each checked to hold exactly its shard's token count."""
+    folder, shards = Path(source), []
+    for entry in meta["shards"]:
+        name = entry.get("mask") if isinstance(entry, dict) else None
+        path = folder / str(name)
+        if not isinstance(name, str) or not path.is_file() or path.stat().st_size != entry["tokens"]:
+            raise DataError(f"data.source '{folder}': a loss-mask shard listed in {META} is missing or does not hold "
+                            f"one byte per token of its shard.")
+        if entry["tokens"]:
+            shards.append(np.memmap(path, dtype=np.uint8, mode="r"))
+    return ShardedTokens(shards)
+
+
 def tokenizer_folder(source: str, from_hf: str) -> Path | None:
     """The folder holding the tokenizer of a model trained on data.source=`source`: a tokenized folder,
     else the Hugging Face checkpoint the model came from (model.from_hf=`from_hf`, when it has one);

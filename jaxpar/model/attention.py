@@ -20,6 +20,7 @@ from jaxpar.config import ModelConfig
 from jaxpar.model.axes import column_parallel, constrain, param, row_parallel, zeros_param
 from jaxpar.model.flash import flash_attention
 from jaxpar.model.layers import RMSNorm, rope_frequencies, rotary
+from jaxpar.model.segments import Segments
 
 HALF_PRECISION = (jnp.bfloat16, jnp.float16)
 
@@ -55,18 +56,25 @@ class Attention(nnx.Module):
         self.kernel = cfg.attention
         self.flash_blocks = cfg.flash_blocks()
 
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD)
+    def __call__(self, x_BLD: jax.Array, segments: Segments | None = None) -> jax.Array:
+        """Causal self-attention; with `segments` (packed rows) each document attends to itself alone
+        and its rotary positions restart at 0."""
+        positions = None if segments is None else segments.positions_BL
+        q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD, positions)
         kernel = attention_kernel(self.kernel, q_BLHK.dtype, x_BLD.shape[1], self.flash_blocks)
-        if kernel == "cudnn":  # takes the fewer key/value heads as they are
-            out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, is_causal=True, implementation="cudnn")
+        if kernel == "cudnn":  # takes the fewer key/value heads as they are; a packed row as a mask
+            mask = None if segments is None else segments.visible_BLP()[:, None]
+            out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask, is_causal=True,
+                                                    implementation="cudnn")
         else:
             k_BLHK, v_BLHK = (repeat_kv_heads(t, q_BLHK.shape[2]) for t in (k_BLGK, v_BLGK))
             if kernel == "flash":
                 out_BLHK = flash_attention(q_BLHK, k_BLHK, v_BLHK, block_q=self.flash_blocks[0],
-                                           block_kv=self.flash_blocks[1])
+                                           block_kv=self.flash_blocks[1],
+                                           segment_ids_BL=None if segments is None else segments.ids_BL)
             else:
-                out_BLHK = dot_attention(q_BLHK, k_BLHK, v_BLHK)
+                out_BLHK = dot_attention(q_BLHK, k_BLHK, v_BLHK,
+                                         None if segments is None else segments.visible_BLP()[:, None])
         return self.output(out_BLHK)
 
     def decode(self, x_BLD: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
@@ -85,9 +93,9 @@ class Attention(nnx.Module):
         out_BLHK = constrain(out_BLHK, names)
         return constrain(row_parallel("BLHK,HKD->BLD", out_BLHK, self.wo, names, residual), residual)
 
-    def project(self, x_BLD: jax.Array, positions_L: jax.Array | None = None):
+    def project(self, x_BLD: jax.Array, positions: jax.Array | None = None):
         """q (B, L, H, K) and k, v (B, L, G, K), G the key/value heads, with biases, head norms and
-        rotary positions applied (positions_L: default 0 ... L-1)."""
+        rotary positions applied (positions: (L,) or per row (B, L); default 0 ... L-1)."""
         names, kv_names = ("batch", "seq", "heads", "kv"), ("batch", "seq", "kv_heads", "kv")
         residual = ("batch", "residual_seq", "embed")
         if self.fused_qkv:
@@ -107,8 +115,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
         if self.frequencies is not None:
-            q_BLHK = rotary(q_BLHK, self.frequencies, positions_L)
-            k_BLGK = rotary(k_BLGK, self.frequencies, positions_L)
+            q_BLHK = rotary(q_BLHK, self.frequencies, positions)
+            k_BLGK = rotary(k_BLGK, self.frequencies, positions)
         return q_BLHK, k_BLGK, v_BLGK
 
 
@@ -154,7 +162,7 @@ def repeat_kv_heads(x_BLGK: jax.Array, heads: int) -> jax.Array:
 def dot_attention(q_BLHK: jax.Array, k_BPHK: jax.Array, v_BPHK: jax.Array,
                   visible_LP: jax.Array | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(K)) v with the whole L x P score matrix, scores in fp32. visible_LP: which
-    keys each query sees (default causal, L = P)."""
+    keys each query sees, (L, P) or per row and broadcast over heads (B, 1, L, P) (default causal, L = P)."""
     L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
     scores_BHLP = jnp.einsum("BLHK,BPHK->BHLP", q_BLHK, k_BPHK, preferred_element_type=jnp.float32) / math.sqrt(K)
     visible_LP = jnp.tril(jnp.ones((L, L), dtype=bool)) if visible_LP is None else visible_LP

@@ -54,14 +54,16 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[float, ...]:
     return tuple(float(f) for f in inv_freq)
 
 
-def rotary(x_BLHK: jax.Array, frequencies: tuple[float, ...], positions_L: jax.Array | None = None) -> jax.Array:
+def rotary(x_BLHK: jax.Array, frequencies: tuple[float, ...], positions: jax.Array | None = None) -> jax.Array:
     """Rotate pairs of head dimensions by position-dependent angles (RoPE, half-split form, as
-    Llama's Hugging Face checkpoints store their weights). positions_L: each query's position
-    (default 0 ... L-1; a key/value cache passes its offset)."""
+    Llama's Hugging Face checkpoints store their weights). positions: each query's position, (L,)
+    or per row (B, L) (default 0 ... L-1; a key/value cache passes its offset, a packed row restarts
+    at each document)."""
     L = x_BLHK.shape[1]
-    positions_L = jnp.arange(L) if positions_L is None else positions_L
-    angle_LK = positions_L.astype(jnp.float32)[:, None] * jnp.asarray(frequencies, jnp.float32)[None, :]
-    sin, cos = jnp.sin(angle_LK)[None, :, None, :], jnp.cos(angle_LK)[None, :, None, :]
+    positions = jnp.arange(L) if positions is None else positions
+    angle_K = positions.astype(jnp.float32)[..., None] * jnp.asarray(frequencies, jnp.float32)[None, :]
+    heads = (slice(None), slice(None), None, slice(None)) if angle_K.ndim == 3 else (None, slice(None), None, slice(None))
+    sin, cos = jnp.sin(angle_K)[heads], jnp.cos(angle_K)[heads]  # (1 or B, L, 1, K/2)
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHK.dtype)

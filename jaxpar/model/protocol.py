@@ -29,12 +29,15 @@ class BlockModel(Protocol):
 
     STACKED_AT: the path of the stacked layers in the module's state, e.g. ("blocks",).
     embed(tokens_BL) -> x_BLD; logits(x_BLD) -> logits_BLV (fp32); stacked_layers() -> L.
-    run_blocks(x_BLD, scan=None, layer_ids=None, noise_B=None) -> (x_BLD, stats): split the stacked
+    run_blocks(x_BLD, scan=None, layer_ids=None, noise_B=None, segments=None) -> (x_BLD, stats): split the stacked
     layers off (`nnx.split`) and return scan(one_layer, x_BLD, stacked_state, layer_ids), where
     one_layer(x_BLD, layer_state, layer_id) -> (x_BLD, stats) merges one layer and runs it; with
     scan None, a plain `lax.scan`. layer_ids default to 0 ... L-1; stats is {} unless the layers
     report per-layer statistics (jaxpar's mixture of experts); noise_B, a PRNG key per row, is for
-    noisy routing and may be ignored.
+    noisy routing and may be ignored. For packed rows (`data.packing`), embed(tokens_BL, positions_BL)
+    takes each token's position within its document and run_blocks `segments`
+    (jaxpar.model.segments.Segments), which attention must respect; a model trained only on whole
+    rows need not accept either.
     """
 
     STACKED_AT: tuple[str, ...]
@@ -42,7 +45,7 @@ class BlockModel(Protocol):
     def embed(self, tokens_BL: jax.Array) -> jax.Array: ...
 
     def run_blocks(self, x_BLD: jax.Array, scan: Callable | None = None, layer_ids: jax.Array | None = None,
-                   noise_B: jax.Array | None = None): ...
+                   noise_B: jax.Array | None = None, segments=None): ...
 
     def logits(self, x_BLD: jax.Array) -> jax.Array: ...
 

@@ -14,6 +14,7 @@ from jaxpar.model.axes import column_parallel, constrain, param
 from jaxpar.model.layers import RMSNorm
 from jaxpar.model.mlp import MLP
 from jaxpar.model.moe import MoE
+from jaxpar.model.segments import Segments
 
 
 class Block(nnx.Module):
@@ -28,8 +29,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None):
-        return self._feed_forward(x_BLD + self.attn(self.attn_norm(x_BLD)), noise_B)
+    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, segments: Segments | None = None):
+        return self._feed_forward(x_BLD + self.attn(self.attn_norm(x_BLD), segments), noise_B)
 
     def decode(self, x_BLD: jax.Array, cache: KVCache):
         """The block on the next positions with its attention's key/value cache: (x, cache)."""
@@ -50,10 +51,10 @@ class MoEUnit(nnx.Module):
         every = cfg.moe.every
         self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=i == every - 1) for i in range(every)])
 
-    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None):
+    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, segments: Segments | None = None):
         stats = {}
         for block in self.blocks:
-            x_BLD, block_stats = block(x_BLD, noise_B)
+            x_BLD, block_stats = block(x_BLD, noise_B, segments)
             stats = block_stats or stats
         return x_BLD, stats
 
@@ -97,8 +98,10 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(D, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), D ** -0.5)
 
-    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        return self.logits(self.run_blocks(self.embed(tokens_BL))[0])
+    def __call__(self, tokens_BL: jax.Array, segments: Segments | None = None) -> jax.Array:
+        """Logits of the tokens; with `segments`, of each packed document as if it ran alone."""
+        positions = 0 if segments is None else segments.positions_BL
+        return self.logits(self.run_blocks(self.embed(tokens_BL, positions), segments=segments)[0])
 
     def stacked_layers(self) -> int:
         """How many layers are stacked (scanned units: blocks, or MoE units of moe.every blocks)."""
@@ -106,7 +109,8 @@ class Transformer(nnx.Module):
 
     def embed(self, tokens_BL: jax.Array, first_position: jax.Array | int = 0) -> jax.Array:
         """Token (and learned position) embedding: (B, L) ints -> (B, L, D); the tokens sit at
-        positions first_position ... first_position + L - 1."""
+        positions first_position ... first_position + L - 1, or, given a (B, L) array of positions
+        (a packed row's), at those."""
         # The tokens stay whole along the sequence: sharding them like the residual stream would make
         # the partitioner shift their halo (the T -> L slice) with a collective-permute.
         tokens_BL = constrain(tokens_BL, ("batch", "seq"))
@@ -116,8 +120,12 @@ class Transformer(nnx.Module):
         x_BLD = constrain(jnp.take(self.embedding[...], tokens_BL, axis=0), ("batch", "seq", "embed"))
         x_BLD = constrain(x_BLD, ("batch", "residual_seq", "embed"))
         if self.pos_embedding is not None:
-            positions_LD = jax.lax.dynamic_slice_in_dim(self.pos_embedding[...], first_position, tokens_BL.shape[1])
-            x_BLD = x_BLD + positions_LD[None]
+            if jnp.ndim(first_position) == 2:
+                positions_BLD = jnp.take(self.pos_embedding[...], first_position, axis=0)
+            else:
+                positions_BLD = jax.lax.dynamic_slice_in_dim(self.pos_embedding[...], first_position,
+                                                             tokens_BL.shape[1])[None]
+            x_BLD = x_BLD + positions_BLD
             x_BLD = constrain(x_BLD, ("batch", "residual_seq", "embed"))
         return x_BLD
 
@@ -160,7 +168,7 @@ class Transformer(nnx.Module):
         return stack(one)
 
     def run_blocks(self, x_BLD: jax.Array, scan: LayerScan | None = None, layer_ids: jax.Array | None = None,
-                   noise_B: jax.Array | None = None):
+                   noise_B: jax.Array | None = None, segments: Segments | None = None):
         """Run the stacked blocks; returns the output and per-layer routing statistics stacked on
         a leading axis ({} for a dense model).
 
@@ -171,13 +179,14 @@ class Transformer(nnx.Module):
         layer_ids: each stacked layer's index in model order (default 0, 1, ...).
         noise_B (training only): a PRNG key per batch row, folded with the layer id, for noisy
         top-k routing: noise keyed by the row, not by the device or microbatch that holds it.
+        segments: the documents of packed rows (jaxpar.model.segments); None: one per row.
         """
         graphdef, stacked = nnx.split(self.blocks)
         ids = jnp.arange(stacked_layers(stacked)) if layer_ids is None else layer_ids
 
         def one_layer(x_BLD, layer_state, layer_id):
             keys_B = None if noise_B is None else jax.vmap(lambda k: jax.random.fold_in(k, layer_id))(noise_B)
-            return nnx.merge(graphdef, layer_state)(x_BLD, keys_B)
+            return nnx.merge(graphdef, layer_state)(x_BLD, keys_B, segments)
 
         return (scan or plain_scan)(one_layer, x_BLD, stacked, ids)
 

@@ -19,7 +19,8 @@ from jaxpar.parallel.schedules import Table
 
 
 def gpipe_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer_ids, table: Table, axis: str = "stage"):
-    """GPipe: forward ticks from the table, backward by autodiff. batch_M: (tokens_MbT, rows_Mb);
+    """GPipe: forward ticks from the table, backward by autodiff. batch_M: (tokens_MbT, rows_Mb), each a
+    pytree with the microbatches on its leading axis;
     layer_ids: this device's stacked layers' model-order indices. Returns this device's
     (share of the mean loss, sums of the layers' stats, grads); the shares of all stages sum to
     the mean loss.
@@ -34,7 +35,7 @@ def gpipe_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer_ids, 
     forward_ticks = switch_ticks(table)
     branch, micro, _ = action_arrays(table, forward_ticks)
     s = jax.lax.axis_index(axis)
-    x_shape = jax.eval_shape(fns.embed, params, tokens_MbT[0])
+    x_shape = jax.eval_shape(fns.embed, params, microbatch(tokens_MbT, 0))
     stats_shape = jax.eval_shape(lambda p, x, b: fns.layers(p, x, layer_ids, b[1])[1], params, x_shape,
                                  microbatch(batch_M, 0))
 
@@ -87,6 +88,6 @@ def _spread_head_losses(fns: StageFns, params, outputs, tokens_MbT, table: Table
     for j in range(-(-M // S)):
         m = j * S + s
         mine = jnp.minimum(m, M - 1)
-        loss = fns.head_loss(params, outputs[mine], tokens_MbT[mine]).astype(jnp.float32)
+        loss = fns.head_loss(params, outputs[mine], microbatch(tokens_MbT, mine)).astype(jnp.float32)
         loss_sum += jnp.where(m < M, loss, 0.0)
     return loss_sum

@@ -93,7 +93,7 @@ def make_local_step(replica_step, p: ParallelConfig, replicas: int):
 
     def local_step(state, tokens_BT):
         # device r of `data` holds rows r * B/R ... (r + 1) * B/R - 1: replica r's rows
-        tokens_RbT = tokens_BT.reshape(replicas, -1, *tokens_BT.shape[1:])
+        tokens_RbT = jax.tree.map(lambda x: x.reshape(replicas, -1, *x.shape[1:]), tokens_BT)  # packed rows too
         inner = dataclasses.replace(state, outer=None)
         new, metrics_R = jax.vmap(replica_step, spmd_axis_name=REPLICA_AXIS)(inner, tokens_RbT)
         synced = new.step[0] % p.sync_every == 0

@@ -155,7 +155,9 @@ class _StepLog:
         self.records: list[dict] = []
         self.last_time = time.perf_counter()
 
-    def finish(self, step: int, metrics, val_losses=None) -> None:
+    def finish(self, step: int, metrics, val_losses=None, efficiency: float | None = None) -> None:
+        """Read and log step `step`'s metrics; `efficiency`: the share of its batch's token slots that
+        hold document tokens (packed rows; tokens/s counts those alone)."""
         values = {k: v.tolist() for k, v in jax.device_get(metrics).items()}  # scalars, or lists (per expert)
         if val_losses is not None:
             values["val_loss"] = float(np.mean(jax.device_get(val_losses)))
@@ -163,7 +165,10 @@ class _StepLog:
             del values["replica_spread"]
         now = time.perf_counter()
         step_time, self.last_time = now - self.last_time, now
-        record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time}
+        real = self.tokens_per_step * (1.0 if efficiency is None else efficiency)
+        record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": real / step_time}
+        if efficiency is not None:
+            record["packing_efficiency"] = efficiency
         self.records.append(record)
         if _logged(step, self.cfg) and _primary():
             append_jsonl(self.metrics_path, record)
@@ -199,15 +204,17 @@ def _run_steps(session: Session, trainer: Trainer, checkpoints: Checkpoints, log
     agreement = StopAgreement()  # every process of a multi-process run stops at the same step
     with StopSignals() as signals:
         pending = None
+        packed = session.cfg.data.packing != "none"
         for index in range(start, t.steps):
-            state, metrics = trainer.step(state, trainer.put_windows(session.train_data,
-                                                                  session.train_data.starts(index)))
+            starts = session.train_data.starts(index)
+            state, metrics = trainer.step(state, trainer.put_windows(session.train_data, starts))
+            efficiency = session.train_data.efficiency(starts) if packed else None
             if pending is not None:
                 log.finish(*pending)
             step = index + 1
             # dispatched now, on this step's weights; read with its metrics
             val = validation_losses(trainer, state.params, session) if _evaluated(step, t) else None
-            pending = (step, metrics, val)
+            pending = (step, metrics, val, efficiency)
             stopping = agreement.should_stop(step, signals.received is not None)
             if stopping or (every and step % every == 0):
                 # Read this step's metrics first: only a finite step is checkpointed.

@@ -1,6 +1,7 @@
 """The pure training step `(state, batch) -> (state, metrics)` and the evaluation step.
 
-Batches are int token arrays (B, T): inputs are [:, :-1], targets [:, 1:].
+Batches are int token arrays (B, T): inputs are [:, :-1], targets [:, 1:]; packed rows
+(`data.packing`) are a PackedRows of the tokens with their documents, positions and loss mask.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import optax
 from flax import nnx
 
 from jaxpar.config import Config, TrainConfig
+from jaxpar.data.packed_rows import PackedRows
 from jaxpar.model import is_block_model, layout_hooks
+from jaxpar.model.segments import Segments
 from jaxpar.parallel import Layout, PipelinePlan, StageFns, eval_hooks, gradients
 from jaxpar.precision import PrecisionPolicy
 from jaxpar.train.loss_scale import LossScale, all_finite, unless_skipped
@@ -41,14 +44,52 @@ def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: PrecisionPolicy
     return nnx.merge(graphdef, precision.cast_to_compute(hooks.model_weights(params) if hooks else params))
 
 
-def _cross_entropy(logits_BLV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), tokens_BT[:, 1:]).mean()
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowInputs:
+    """What the layers take per row besides the residual stream: a routing-noise PRNG key per row
+    (noisy top-k; else None) and the documents of packed rows (else None)."""
+
+    noise_B: jax.Array | None = None
+    segments: Segments | None = None
 
 
-def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: jax.Array,
-               precision: PrecisionPolicy) -> jax.Array:
-    """Mean next-token cross-entropy over the batch, computed in fp32."""
-    return _cross_entropy(_model(graphdef, params, precision)(tokens_BT[:, :-1]), tokens_BT)
+def _cross_entropy(logits_BLV: jax.Array, batch) -> jax.Array:
+    """The mean next-token cross-entropy in fp32: over every target of a token array, over the counted
+    targets of packed rows (weighted by the step: PackedRows.weighted)."""
+    if isinstance(batch, PackedRows):
+        losses_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), batch.targets_BL)
+        return (losses_BL * batch.weights_BL).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), batch[:, 1:]).mean()
+
+
+def _embedded(model: nnx.Module, batch) -> jax.Array:
+    """The model's embedding of a batch's inputs (a packed row's at its documents' positions)."""
+    if isinstance(batch, PackedRows):
+        return model.embed(batch.inputs_BL, batch.segments().positions_BL)
+    return model.embed(batch[:, :-1])
+
+
+def _logits(model: nnx.Module, batch) -> jax.Array:
+    """A whole model's logits of a batch's inputs (packed rows: each document as if alone)."""
+    if isinstance(batch, PackedRows):
+        return model(batch.inputs_BL, batch.segments())
+    return model(batch[:, :-1])
+
+
+def weighted(batch):
+    """A batch ready for the loss: packed rows get their targets' weights (computed on the whole batch)."""
+    return batch.weighted() if isinstance(batch, PackedRows) else batch
+
+
+def row_inputs(batch, noise_B: jax.Array | None) -> RowInputs:
+    return RowInputs(noise_B, batch.segments() if isinstance(batch, PackedRows) else None)
+
+
+def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT, precision: PrecisionPolicy) -> jax.Array:
+    """Mean next-token cross-entropy over the batch (a token array or packed rows), computed in fp32."""
+    batch = weighted(tokens_BT)
+    return _cross_entropy(_logits(_model(graphdef, params, precision), batch), batch)
 
 
 def routing_terms(routing: dict, moe) -> tuple[jax.Array, dict]:
@@ -72,18 +113,19 @@ def routing_stats(sums: dict, count: int) -> dict:
     return stats
 
 
-def objective(model: nnx.Module, tokens_BT: jax.Array, rows_B: jax.Array | None, t: TrainConfig, moe,
-              scan=None):
+def objective(model: nnx.Module, tokens_BT, rows: RowInputs, t: TrainConfig, moe, scan=None):
     """(cross-entropy + MoE auxiliary losses, stats): what training minimizes, and what it reports.
 
-    rows_B: a routing-noise PRNG key per row (None: no noise). stats: 'loss' (the cross-entropy
-    alone) and, for MoE models, the routing statistics averaged over MoE layers. A model without
-    the block protocol (jaxpar.model.protocol) is called whole.
+    tokens_BT: a token array, or packed rows weighted by the step. rows: the routing noise and the
+    packed documents per row. stats: 'loss' (the cross-entropy alone) and, for MoE models, the
+    routing statistics averaged over MoE layers. A model without the block protocol
+    (jaxpar.model.protocol) is called whole.
     """
     if not is_block_model(model):
-        loss = _cross_entropy(model(tokens_BT[:, :-1]), tokens_BT)
+        loss = _cross_entropy(_logits(model, tokens_BT), tokens_BT)
         return loss, {"loss": loss}
-    x_BLD, routing = model.run_blocks(model.embed(tokens_BT[:, :-1]), scan, noise_B=rows_B)
+    x_BLD, routing = model.run_blocks(_embedded(model, tokens_BT), scan, noise_B=rows.noise_B,
+                                      segments=rows.segments)
     loss = _cross_entropy(model.logits(x_BLD), tokens_BT)
     if not routing:
         return loss, {"loss": loss}
@@ -97,14 +139,14 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPo
     scan = layer_scan(t.remat, hooks, t.offloads_activations)
     model = lambda p: _model(graphdef, p, precision, hooks)  # noqa: E731
 
-    def layers(p, x_bLD, layer_ids, rows_b):
-        x_bLD, routing = model(p).run_blocks(x_bLD, scan, layer_ids, rows_b)
+    def layers(p, x_bLD, layer_ids, rows_b: RowInputs):
+        x_bLD, routing = model(p).run_blocks(x_bLD, scan, layer_ids, rows_b.noise_B, rows_b.segments)
         aux, sums = routing_terms(routing, moe)
         return (x_bLD, aux * scale), sums
 
     return StageFns(
         cast=precision.cast_to_compute,
-        embed=lambda p, tokens_bT: model(p).embed(tokens_bT[:, :-1]),
+        embed=lambda p, tokens_bT: _embedded(model(p), tokens_bT),
         layers=layers,
         head_loss=lambda p, x_bLD, tokens_bT: _cross_entropy(model(p).logits(x_bLD), tokens_bT) * scale,
     )
@@ -141,7 +183,7 @@ def row_keys(key: jax.Array, rows: int) -> jax.Array:
 
 def _gradient_fn(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: PipelinePlan,
                  precision: PrecisionPolicy):
-    """grad_fn(hooks, params, (tokens_BT, rows_B), scale) -> (stats, grads) for `gradients`: the
+    """grad_fn(hooks, params, (tokens_BT, rows), scale) -> (stats, grads) for `gradients`: the
     objective accumulated over train.grad_accum microbatches, or run through the pipeline's schedule."""
     t, moe = cfg.train, cfg.model.moe
 
@@ -149,8 +191,8 @@ def _gradient_fn(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: 
         scan = layer_scan(t.remat, hooks, t.offloads_activations)
 
         def scaled_objective(p, micro):
-            tokens_BT, rows_B = micro
-            value, stats = objective(_model(graphdef, p, precision, hooks), tokens_BT, rows_B, t, moe, scan)
+            tokens_BT, rows = micro
+            value, stats = objective(_model(graphdef, p, precision, hooks), tokens_BT, rows, t, moe, scan)
             return value * scale, stats
 
         return accumulated_grads(scaled_objective, params, batch, t.grad_accum, layout)
@@ -191,12 +233,13 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     traced_batches = layout.manual_batch_ways * (t.grad_accum if pipeline.table is None
                                                  else pipeline.table.microbatches)
 
-    def train_step(state: TrainState, tokens_BT: jax.Array):
+    def train_step(state: TrainState, tokens_BT):
         scale = state.loss_scale.scale
         grad_params = state.stale_params if pipeline.stale_weights else state.params
         step_key = jax.random.fold_in(jax.random.PRNGKey(t.seed), state.step)  # the same on every layout
-        rows_B = row_keys(step_key, tokens_BT.shape[0]) if noisy else None
-        stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, rows_B), scale)
+        tokens_BT = weighted(tokens_BT)
+        rows_B = row_keys(step_key, jax.tree.leaves(tokens_BT)[0].shape[0]) if noisy else None
+        stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, row_inputs(tokens_BT, rows_B)), scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
         loss_scale = state.loss_scale
         # loss scaling (fp16), or on_nonfinite=skip: a step with any non-finite gradient leaves the state

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.data.packed_rows import PackedRows
 from jaxpar.session import Session
 from jaxpar.train.state_plan import StatePlan
 from jaxpar.train.step import TrainState
@@ -70,26 +71,33 @@ class Trainer:
         """Stacked leaves from the model's layer order to the order this layout stores them in."""
         return self.pipeline.from_model_order(tree)
 
-    def put_batch(self, tokens_BT: np.ndarray) -> jax.Array:
-        """Place a host batch (the whole batch, on every process) onto the mesh with the batch sharding."""
+    def put_batch(self, tokens_BT):
+        """Place a host batch (the whole batch, on every process: a token array or packed rows) onto the
+        mesh with the batch sharding."""
         return jax.device_put(tokens_BT, self.batch_sharding)
 
-    def put_windows(self, sampler, starts_B: np.ndarray) -> jax.Array:
-        """Build the global batch of windows at `starts_B` from this process's rows only.
+    def put_windows(self, sampler, starts_B: np.ndarray):
+        """Build the global batch of windows (or packed rows) at `starts_B` from this process's rows only.
 
-        Each process reads just the windows its own devices hold, so no process ever loads
-        the whole batch; the global array is assembled from the per-device pieces.
+        Each process reads just the rows its own devices hold, so no process ever loads the whole
+        batch; the global arrays are assembled from the per-device pieces.
         """
-        shape = (len(starts_B), self.cfg.model.seq_len + 1)
-        read: dict[tuple, np.ndarray] = {}  # devices that share rows (tensor, stage replicas) read them once
+        read: dict[tuple, object] = {}  # devices that share rows (tensor, stage replicas) read them once
 
-        def rows(index: tuple[slice, ...]) -> np.ndarray:
-            key = index[0].indices(shape[0])
+        def rows(index: tuple[slice, ...]):
+            key = index[0].indices(len(starts_B))
             if key not in read:
                 read[key] = sampler.windows(starts_B[index[0]])
-            return read[key][:, index[1]]
+            return read[key]
 
-        return jax.make_array_from_callback(shape, self.batch_sharding, rows)
+        def leaf(pick, shape):
+            return jax.make_array_from_callback(shape, self.batch_sharding,
+                                                lambda index: pick(rows(index))[(slice(None), *index[1:])])
+
+        abstract = self.abstract_batch()
+        picks = jax.tree_util.tree_flatten_with_path(abstract)[0]
+        arrays = [leaf(functools.partial(_at_path, path=path), a.shape) for path, a in picks]
+        return jax.tree.unflatten(jax.tree.structure(abstract), arrays)
 
     def put_state(self, state: TrainState) -> TrainState:
         """Copy a state (from any layout) into this layout's shardings (adding or dropping
@@ -98,11 +106,19 @@ class Trainer:
                  if self.pipeline.stale_weights else None)
         return jax.device_put(dataclasses.replace(state, stale_params=stale), self.state_shardings)
 
-    def abstract_batch(self) -> jax.ShapeDtypeStruct:
-        """The shape, dtype and sharding of one step's batch."""
-        T = self.cfg.model.seq_len + 1
-        return jax.ShapeDtypeStruct((self.cfg.train.batch_size, T), jnp.int32, sharding=self.batch_sharding)
+    def abstract_batch(self):
+        """The shapes, dtypes and sharding of one step's batch: a token array, or packed rows."""
+        shape = (self.cfg.train.batch_size, self.cfg.model.seq_len + 1)
+        one = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+        return one if self.cfg.data.packing == "none" else PackedRows(one, one, one, one)
 
     def compile_step(self, compiler_options: dict | None = None):
         """Lower and compile the train step without running it (for plans and HLO checks)."""
         return self.step.lower(self.abstract_state(), self.abstract_batch()).compile(compiler_options)
+
+
+def _at_path(tree, path):
+    """The leaf of `tree` at a tree_flatten_with_path path."""
+    for key in path:
+        tree = getattr(tree, key.name) if hasattr(key, "name") else tree[key.idx if hasattr(key, "idx") else key.key]
+    return tree

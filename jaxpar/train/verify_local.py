@@ -62,7 +62,8 @@ def verify_local(session: Session, layout, reference_cfg, steps: int, log) -> tu
         windows = sampler.windows(starts)
         losses = []
         for r in range(R):
-            replicas[r], m = reference.step(replicas[r], reference.put_batch(windows[r * rows:(r + 1) * rows]))
+            mine = jax.tree.map(lambda x: x[r * rows:(r + 1) * rows], windows)  # packed rows too
+            replicas[r], m = reference.step(replicas[r], reference.put_batch(mine))
             losses.append(float(m["loss"]))
         if (index + 1) % p.sync_every == 0:
             flat = [{k: np.asarray(v) for k, v in flat_by_path(jax.device_get(s.params)).items()} for s in replicas]

@@ -1,0 +1,58 @@
+"""A batch of packed rows (`data.packing` = concat or pack): the tokens and, per token, its document,
+its position within the document and whether it may be a target of the loss.
+
+The same dataclass carries NumPy arrays on the host and jax arrays in the step; each field has the
+rows on its leading axis, so sharding the batch and cutting it into microbatches cut every field
+alike. Without packing a batch stays a plain (B, T) token array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.model.segments import Segments
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """tokens_BT: T = seq_len + 1 tokens per row (inputs [:, :-1], targets [:, 1:]).
+    segments_BT: each token's document id, non-decreasing along the row (padding has its own).
+    positions_BT: each token's position within its document.
+    mask_BT: 1 where the token may be predicted (0: padding, a fine-tuning prompt).
+    weights_BL: set by the step (`weighted`): each target's weight in the batch's mean loss."""
+
+    tokens_BT: jax.Array
+    segments_BT: jax.Array
+    positions_BT: jax.Array
+    mask_BT: jax.Array
+    weights_BL: jax.Array | None = None
+
+    @property
+    def inputs_BL(self) -> jax.Array:
+        return self.tokens_BT[:, :-1]
+
+    @property
+    def targets_BL(self) -> jax.Array:
+        return self.tokens_BT[:, 1:]
+
+    def segments(self) -> Segments:
+        """The inputs' documents and positions, for the model."""
+        return Segments(self.segments_BT[:, :-1], self.positions_BT[:, :-1])
+
+    def target_mask_BL(self) -> jax.Array:
+        """Which targets count: maskable tokens of the same document as their input (never the first
+        token of the next document, predicted from the last one of the previous)."""
+        same_BL = self.segments_BT[:, 1:] == self.segments_BT[:, :-1]
+        return same_BL & (self.mask_BT[:, 1:] != 0)
+
+    def weighted(self) -> PackedRows:
+        """The batch with each counted target weighted by (targets / counted targets), so the plain mean
+        of weight x loss over the batch's targets is the mean over counted targets. Computed on the
+        whole batch, so microbatches and data-parallel shards, each taking a plain mean, agree."""
+        counted_BL = self.target_mask_BL().astype(jnp.float32)
+        weights_BL = counted_BL / jnp.maximum(jnp.mean(counted_BL), 1.0 / counted_BL.size)
+        return dataclasses.replace(self, weights_BL=weights_BL)
