@@ -62,7 +62,8 @@ def rotary(x_BLHK: jax.Array, frequencies: tuple[float, ...], positions: jax.Arr
     L = x_BLHK.shape[1]
     positions = jnp.arange(L) if positions is None else positions
     angle_K = positions.astype(jnp.float32)[..., None] * jnp.asarray(frequencies, jnp.float32)[None, :]
-    heads = (slice(None), slice(None), None, slice(None)) if angle_K.ndim == 3 else (None, slice(None), None, slice(None))
+    every = slice(None)
+    heads = (every, every, None, every) if angle_K.ndim == 3 else (None, every, None, every)
     sin, cos = jnp.sin(angle_K)[heads], jnp.cos(angle_K)[heads]  # (1 or B, L, 1, K/2)
     x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -62,7 +62,7 @@ def verify_local(session: Session, layout, reference_cfg, steps: int, log) -> tu
         windows = sampler.windows(starts)
         losses = []
         for r in range(R):
-            mine = jax.tree.map(lambda x: x[r * rows:(r + 1) * rows], windows)  # packed rows too
+            mine = jax.tree.map(lambda x, r=r: x[r * rows:(r + 1) * rows], windows)  # packed rows too
             replicas[r], m = reference.step(replicas[r], reference.put_batch(mine))
             losses.append(float(m["loss"]))
         if (index + 1) % p.sync_every == 0:
