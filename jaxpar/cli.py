@@ -170,12 +170,16 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
+    from jaxpar.data.document_readers import DocumentSpec
     from jaxpar.data.tokenize import tokenize
 
-    meta = tokenize(args.input, args.out, args.vocab_size, args.tokenizer, progress=not args.no_progress)
-    print(f"{meta['tokens']:,} tokens ({meta['dtype']}, vocabulary {meta['vocab_size']}) in {len(meta['shards'])} "
-          f"shard(s) under {args.out}/; train on them with data.source={args.out} "
-          f"model.vocab_size={meta['vocab_size']}")
+    spec = DocumentSpec(split=args.split, field=args.field or args.column, sft=args.sft, prompt=args.field_prompt,
+                        response=args.field_response)
+    meta = tokenize(args.input, args.out, args.vocab_size, args.tokenizer, progress=not args.no_progress, spec=spec)
+    print(f"{meta['tokens']:,} tokens in {meta['documents']['count']:,} documents ({meta['dtype']}, vocabulary "
+          f"{meta['vocab_size']}) in {len(meta['shards'])} shard(s) under {args.out}/; train on them with "
+          f"data.source={args.out} model.vocab_size={meta['vocab_size']}"
+          + (" data.packing=pack (the loss is on the responses)" if args.sft else ""))
     print(json.dumps({k: meta[k] for k in ("vocab_size", "dtype", "tokens", "inputs_sha256")}))
     return 0
 
@@ -241,7 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(sub, "verify", cmd_verify, "compare a layout against the single-device reference", reads_config=True)
     p = _add_command(sub, "tokenize", cmd_tokenize, "train a byte-level BPE tokenizer (or apply one) and write token "
                                                     "shards for data.source")
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="text files (UTF-8)")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help=".txt (UTF-8; a document per file), .jsonl (a document per line) or .parquet (per row) files")
+    p.add_argument("--split", choices=("file", "paragraphs"), default="file",
+                   help=".txt files: a document per file, or per blank-line-separated paragraph")
+    p.add_argument("--field", metavar="NAME", help=".jsonl: the field holding each document's text")
+    p.add_argument("--column", metavar="NAME", help=".parquet: the column holding each document's text")
+    p.add_argument("--sft", action="store_true",
+                   help="fine-tuning pairs: the loss counts the response tokens only (with --field-prompt and "
+                        "--field-response, fields of .jsonl lines or columns of .parquet rows)")
+    p.add_argument("--field-prompt", metavar="NAME", help="--sft: the prompt's field (column)")
+    p.add_argument("--field-response", metavar="NAME", help="--sft: the response's field (column)")
     p.add_argument("--vocab-size", type=int, help="vocabulary of the tokenizer to train (at least 257)")
     p.add_argument("--tokenizer", metavar="FILE|DIR",
                    help="apply this tokenizer.json (or the one in this folder: a Hugging Face checkpoint, a tokenized "

@@ -93,7 +93,7 @@ def test_a_bad_data_folder_exits_2_in_one_sentence_before_compiling(docs_and_tok
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--vocab-size", "100"], "--vocab-size must be between 257"),
+    (["--vocab-size", "100"], "--vocab-size must be between 258"),
     (["--vocab-size", "512", "--tokenizer", "{tmp}/none.json"], "is neither a tokenizer.json file nor a folder"),
 ])
 def test_tokenize_refuses_bad_arguments(docs_and_tokens, tmp_path, capsys, args, words):

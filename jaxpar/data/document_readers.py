@@ -1,0 +1,143 @@
+"""The documents of `jaxpar tokenize`'s inputs, read as a stream (never a whole file at once).
+
+`.txt`: a document per file, or per blank-line-separated block (split='paragraphs').
+`.jsonl`: a document per line, the text in `field`.
+`.parquet`: a document per row, the text in `column`, read in record batches with pyarrow.
+Fine-tuning (`sft`): each JSONL line or Parquet row gives a (prompt, response) pair instead.
+
+Each is yielded as (content, ends): content a str, or a (prompt, response) pair of strs; ends
+whether the document ends with it (a long .txt file comes in pieces cut at line ends). Every
+malformed input is a DataError naming the file and the line or row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from jaxpar.errors import DataError
+
+CHUNK_BYTES = 1 << 22  # text read per piece
+PARQUET_BATCH_ROWS = 1024
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentSpec:
+    """How inputs become documents: split ('file' or 'paragraphs', for .txt), field (.jsonl) or column
+    (.parquet) of the text, and for fine-tuning the prompt and response fields (columns)."""
+
+    split: str = "file"
+    field: str | None = None
+    sft: bool = False
+    prompt: str | None = None
+    response: str | None = None
+
+    def names(self) -> tuple[str, ...]:
+        """The fields (columns) each record must have."""
+        return (self.prompt, self.response) if self.sft else (self.field,)
+
+
+def check_inputs(inputs: list[str], spec: DocumentSpec) -> None:
+    """Every mistake in the inputs that can be seen before reading them, as one DataError sentence."""
+    if spec.split not in ("file", "paragraphs"):
+        raise DataError(f"--split must be 'file' or 'paragraphs', got {spec.split!r}.")
+    if spec.sft and not (spec.prompt and spec.response):
+        raise DataError("--sft needs both --field-prompt and --field-response (the fields of the prompt and of the "
+                        "response the loss is on).")
+    for name in inputs:
+        path = Path(name)
+        if not path.is_file():
+            raise DataError(f"--input '{name}' is not a file.")
+        if path.suffix not in SUFFIXES:
+            raise DataError(f"--input '{name}' is not a .txt, .jsonl or .parquet file.")
+        if spec.sft and path.suffix == ".txt":
+            raise DataError(f"--sft reads prompt/response pairs from .jsonl or .parquet files, not '{name}'.")
+        if path.suffix != ".txt" and not all(spec.names()):
+            flag = "--field" if path.suffix == ".jsonl" else "--column"
+            raise DataError(f"--input '{name}' needs {flag} NAME: which {flag[2:]} holds the text.")
+        if path.suffix == ".parquet":
+            _check_columns(path, spec.names())
+
+
+def _check_columns(path: Path, names: tuple[str, ...]) -> None:
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.ParquetFile(path).schema_arrow
+    except (OSError, pyarrow.ArrowException) as e:
+        raise DataError(f"--input '{path}' is not a Parquet file pyarrow can read ({e}).") from None
+    for name in names:
+        if name not in schema.names:
+            raise DataError(f"--input '{path}' has no column '{name}' (it has {', '.join(schema.names)}).")
+
+
+def documents(path: Path, spec: DocumentSpec) -> Iterator[tuple[str | tuple[str, str], bool]]:
+    """The documents of one input file, in order, as (content, ends) pieces."""
+    if path.suffix == ".txt" and spec.split == "file":
+        yield from _file_pieces(path)
+        return
+    reader = {".jsonl": _jsonl, ".parquet": _parquet}.get(path.suffix)
+    for content in (reader(path, spec) if reader else _paragraphs(path)):
+        yield content, True
+
+
+def _file_pieces(path: Path) -> Iterator[tuple[str, bool]]:
+    """A whole file as one document, in pieces of about CHUNK_BYTES cut at line ends."""
+    with path.open("r", encoding="utf-8", errors="replace", newline="") as f:
+        text = f.read(CHUNK_BYTES)
+        while text:
+            text += f.readline()  # finish the line, so no word is cut
+            following = f.read(CHUNK_BYTES)
+            yield text, not following
+            text = following
+
+
+def _paragraphs(path: Path) -> Iterator[str]:
+    """Blocks of text separated by one or more blank lines."""
+    block: list[str] = []
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                block.append(line)
+            elif block:
+                yield "".join(block)
+                block = []
+    if block:
+        yield "".join(block)
+
+
+def _record(values: dict, spec: DocumentSpec, where: str) -> str | tuple[str, str]:
+    for name in spec.names():
+        if not isinstance(values.get(name), str):
+            missing = name not in values
+            raise DataError(f"{where} {'has no' if missing else 'has a non-text'} field '{name}'.")
+    return (values[spec.prompt], values[spec.response]) if spec.sft else values[spec.field]
+
+
+def _jsonl(path: Path, spec: DocumentSpec) -> Iterator[str | tuple[str, str]]:
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                values = json.loads(line)
+            except json.JSONDecodeError:
+                raise DataError(f"{path} line {number} is not JSON.") from None
+            if not isinstance(values, dict):
+                raise DataError(f"{path} line {number} is not a JSON object.")
+            yield _record(values, spec, f"{path} line {number}")
+
+
+def _parquet(path: Path, spec: DocumentSpec) -> Iterator[str | tuple[str, str]]:
+    import pyarrow.parquet as pq
+
+    names, row = list(dict.fromkeys(spec.names())), 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=names):
+        columns = {name: batch.column(name).to_pylist() for name in names}
+        for i in range(batch.num_rows):
+            yield _record({name: columns[name][i] for name in names}, spec, f"{path} row {row}")
+            row += 1
