@@ -17,6 +17,7 @@ exist.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -231,13 +232,17 @@ def prepare_folder(folder: Path, blocks_text: str) -> None:
                     break
                 inputs.add(word)
     if inputs:
-        from jaxpar.data import builtin_text
+        from jaxpar.data.corpus import builtin_text, builtin_topics
 
         text = builtin_text()
+        # JSONL: a line per topic, its text whole and cut into a prompt (its first line) and a response
+        records = [{"text": t, "prompt": t.split("\n", 1)[0], "response": t.split("\n", 1)[-1]}
+                   for t in builtin_topics()]
+        lines = "".join(json.dumps(r) + "\n" for r in records)
         for name in inputs:
             if not (folder / name).exists():
                 (folder / name).parent.mkdir(parents=True, exist_ok=True)
-                (folder / name).write_text(text)
+                (folder / name).write_text(lines if name.endswith(".jsonl") else text)
 
 
 def run_jaxpar(argv: list[str], folder: Path, capfd) -> tuple[int, str]:

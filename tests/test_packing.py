@@ -2,6 +2,8 @@
 is the mean over its documents' tokens, and every layout trains packed rows to the single device's
 numbers."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,3 +155,93 @@ def test_packed_rows_match_single_device(layout, session_for, token_folder):
     result = verify(session_for("train.steps=3", *SMALL_MODEL, *source, *LAYOUTS[layout]), log=lambda line: None)
     assert result["ok"], result
     assert result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4
+
+
+# ---------------------------------------------------------------- supervised fine-tuning
+
+
+def sft_pairs(path, count: int = 16) -> None:
+    """Prompt -> response pairs with a learnable mapping: each of `count` keys has its own value."""
+    import json
+
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(rng.choice(letters, 5)) for _ in range(2 * count)]
+    lines = [json.dumps({"prompt": f"key {words[i]} ->", "response": f" {words[count + i]}."}) for i in range(count)]
+    path.write_text("\n".join(lines * 4) + "\n")
+
+
+@pytest.fixture(scope="module")
+def sft_folder(tmp_path_factory):
+    from jaxpar.data.tokenize import tokenize
+
+    root = tmp_path_factory.mktemp("sft")
+    sft_pairs(root / "pairs.jsonl")
+    tokenize([str(root / "pairs.jsonl")], str(root / "tok"), vocab_size=300, progress=False,
+             spec=DocumentSpec(sft=True, prompt="prompt", response="response"))
+    return root / "tok"
+
+
+def test_prompt_tokens_never_reach_the_loss(sft_folder, session_for):
+    """The loss of a batch is unchanged when the targets of its prompt tokens are scrambled."""
+    from jaxpar.train.step import _cross_entropy
+
+    session = session_for(f"data.source={sft_folder}", "model.vocab_size=300", "data.packing=pack",
+                          "model.seq_len=32", "data.val_fraction=0.2")
+    batch = session.train_data.windows(session.train_data.starts(0))
+    assert 0 < batch.mask_BT.mean() < 1  # prompts and responses
+    logits_BLV = jnp.asarray(np.random.default_rng(1).normal(size=(*batch.inputs_BL.shape, 300)), jnp.float32)
+    scrambled = batch.tokens_BT.copy()
+    prompt = batch.mask_BT == 0
+    scrambled[prompt] = np.random.default_rng(2).integers(0, 300, size=int(prompt.sum()))
+    assert (scrambled != batch.tokens_BT).any()
+    loss = [float(_cross_entropy(logits_BLV, jax.tree.map(jnp.asarray, b).weighted()))
+            for b in (batch, dataclasses.replace(batch, tokens_BT=scrambled))]
+    assert loss[0] == loss[1]
+    # and the test can fail: scrambling the responses' tokens moves it
+    responses = dataclasses.replace(batch, tokens_BT=np.where(prompt, batch.tokens_BT, scrambled.T[::-1].T))
+    assert float(_cross_entropy(logits_BLV, jax.tree.map(jnp.asarray, responses).weighted())) != loss[0]
+
+
+@pytest.mark.slow
+def test_fine_tuning_learns_the_responses(sft_folder, capsys, tmp_path):
+    from helpers import train_here
+
+    code, _ = train_here(capsys, tmp_path / "run", f"data.source={sft_folder}", "model.vocab_size=300",
+                         "data.packing=pack", "train.steps=200", "train.log_every=10", "train.sample_tokens=0",
+                         "data.val_fraction=0.2")
+    assert code == 0
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] < 0.1 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
+    assert 0 < rows[-1]["packing_efficiency"] <= 1
+
+
+BAD_INPUTS = [
+    ("not json", "{\"text\": \"a\"}\nnot json\n", ["--field", "text"], "line 2 is not JSON"),
+    ("missing field", "{\"text\": \"a\"}\n{\"body\": \"b\"}\n", ["--field", "text"], "line 2 has no field 'text'"),
+    ("sft without response", "{\"p\": \"a\", \"r\": \"b\"}\n", ["--sft", "--field-prompt", "p"],
+     "--sft needs both --field-prompt and --field-response"),
+    ("parquet column", None, ["--column", "body"], "has no column 'body'"),
+]
+
+
+@pytest.mark.parametrize("name,content,flags,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_inputs_end_in_one_sentence(name, content, flags, message, tmp_path, capsys):
+    from jaxpar.cli import main
+
+    if content is None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "docs.parquet"
+        pq.write_table(pa.table({"text": ["a document", "another"]}), path)
+    else:
+        path = tmp_path / "docs.jsonl"
+        path.write_text(content)
+    assert main(["tokenize", "--input", str(path), "--vocab-size", "300", "--out", str(tmp_path / "tok"),
+                 "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "tok").exists() and [p.name for p in tmp_path.iterdir()] == [path.name]
