@@ -221,7 +221,7 @@ def prepare_folder(folder: Path, blocks_text: str) -> None:
     shutil.copytree(REPO / "configs", folder / "configs")
     shutil.copytree(REPO / "tests" / "fixtures", folder / "tests" / "fixtures")
     inputs: set[str] = set()
-    for line in blocks_text.splitlines():
+    for line in blocks_text.replace("\\\n", " ").splitlines():  # continued lines as one
         try:
             words = shlex.split(line, comments=True)
         except ValueError:
