@@ -11,7 +11,8 @@ from jaxpar import precision
 from jaxpar.config import Config
 from jaxpar.data import BatchSampler, load_tokens, split_tokens
 from jaxpar.data.packing import packed_samplers
-from jaxpar.data.token_folder import TextCodec, tokenizer_folder
+from jaxpar.data.token_folder import TextCodec, has_loss_mask, tokenizer_folder
+from jaxpar.errors import DataError
 from jaxpar.interop.hf_config import resolve as resolve_hf
 from jaxpar.precision import PrecisionPolicy
 from jaxpar.runtime import make_mesh, setup_devices
@@ -37,6 +38,9 @@ class Session:
         m, t, d = self.cfg.model, self.cfg.train, self.cfg.data
         if d.packing != "none":
             return packed_samplers(d, m, t)
+        if has_loss_mask(d.source):
+            raise DataError(f"data.source '{d.source}' was tokenized with --sft, and data.packing=none would put the "
+                            f"prompts in the loss too; train it with data.packing=pack (or concat).")
         train_tokens, val_tokens = split_tokens(load_tokens(d.source, m.vocab_size), d.val_fraction, m.seq_len)
         return (BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed),
                 BatchSampler(val_tokens, m.seq_len, t.batch_size, t.seed))

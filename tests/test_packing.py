@@ -203,6 +203,14 @@ def test_prompt_tokens_never_reach_the_loss(sft_folder, session_for):
     assert float(_cross_entropy(logits_BLV, jax.tree.map(jnp.asarray, responses).weighted())) != loss[0]
 
 
+def test_fine_tuning_set_without_packing_is_refused(sft_folder, capsys, tmp_path):
+    from helpers import train_here
+
+    code, err = train_here(capsys, tmp_path / "run", f"data.source={sft_folder}", "model.vocab_size=300")
+    assert code == 2 and "data.packing=none would put the prompts in the loss" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_fine_tuning_learns_the_responses(sft_folder, capsys, tmp_path):
     from helpers import train_here

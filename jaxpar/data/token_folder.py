@@ -127,6 +127,11 @@ def open_token_folder(source: str, vocab_size: int) -> ShardedTokens:
     return ShardedTokens(shards)
 
 
+def has_loss_mask(source: str) -> bool:
+    """Whether data.source is a folder `jaxpar tokenize --sft` wrote (its tokens come with a loss mask)."""
+    return is_token_folder(source) and _meta(Path(source)).get("loss_mask") is True
+
+
 def open_mask(source: str, meta: dict) -> ShardedTokens:
     """A fine-tuning folder's loss mask (uint8 per token, 1 where the loss counts it), shard by shard
     beside the tokens, each checked to hold exactly its shard's token count."""
