@@ -256,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--field-response, fields of .jsonl lines or columns of .parquet rows)")
     p.add_argument("--field-prompt", metavar="NAME", help="--sft: the prompt's field (column)")
     p.add_argument("--field-response", metavar="NAME", help="--sft: the response's field (column)")
-    p.add_argument("--vocab-size", type=int, help="vocabulary of the tokenizer to train (at least 257)")
+    p.add_argument("--vocab-size", type=int,
+                   help="vocabulary of the tokenizer to train (at least 258: the bytes, the end-of-document token, "
+                        "a merge)")
     p.add_argument("--tokenizer", metavar="FILE|DIR",
                    help="apply this tokenizer.json (or the one in this folder: a Hugging Face checkpoint, a tokenized "
                         "folder) instead of training one")

@@ -9,13 +9,12 @@ The train and validation parts are split between documents.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 
 from jaxpar.data.corpus import BYTE_VOCAB, builtin_topics, load_tokens
-from jaxpar.data.token_folder import META, is_token_folder
+from jaxpar.data.token_folder import META, is_token_folder, open_mask, read_meta
 from jaxpar.errors import DataError
 
 
@@ -55,7 +54,7 @@ def load_documents(source: str, vocab_size: int) -> Documents:
         raise DataError(f"data.packing needs documents: data.source must be 'builtin' or a folder that `jaxpar "
                         f"tokenize` wrote, not '{source}'.")
     tokens = load_tokens(source, vocab_size)
-    meta = json.loads(Path(source, META).read_text(encoding="utf-8"))
+    meta = read_meta(Path(source))
     docs = meta.get("documents")
     if not isinstance(docs, dict) or not isinstance(docs.get("file"), str) or not isinstance(docs.get("count"), int):
         raise DataError(f"data.source '{source}' was tokenized without document offsets; tokenize it again with "
@@ -68,11 +67,7 @@ def load_documents(source: str, vocab_size: int) -> Documents:
     if len(ends) == 0 or ends[-1] != len(tokens) or np.any(np.diff(ends) <= 0) or ends[0] <= 0:
         raise DataError(f"data.source '{source}': {docs['file']} does not hold increasing document ends up to the "
                         f"{len(tokens)} tokens.")
-    mask = None
-    if meta.get("loss_mask"):
-        from jaxpar.data.token_folder import open_mask
-
-        mask = open_mask(source, meta)
+    mask = open_mask(source, meta) if meta.get("loss_mask") else None
     return Documents(tokens, ends, mask)
 
 

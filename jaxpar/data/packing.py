@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpar.data.documents import Documents, load_documents, split_documents
+from jaxpar.data.loader import BatchSampler
 from jaxpar.data.packed_rows import PackedRows
 
 PACK_BUFFER = 64  # open rows a piece may go to
@@ -27,23 +28,13 @@ def _labelled(tokens_T: np.ndarray, doc_T: np.ndarray, starts: np.ndarray, begin
     return segments_T.astype(np.int32), positions_T.astype(np.int32), mask_T
 
 
-class ConcatSampler:
-    """Windows of seq_len+1 tokens over the concatenated documents, with their documents marked."""
+class ConcatSampler(BatchSampler):
+    """BatchSampler's windows of seq_len+1 tokens (the same draws from (seed, step)), each token marked
+    with its document."""
 
     def __init__(self, docs: Documents, seq_len: int, batch_size: int, seed: int):
-        self.docs, self.seq_len, self.batch_size, self.seed = docs, seq_len, batch_size, seed
-        self._starts = docs.starts
-
-    def __len__(self) -> int:
-        return len(self.docs.tokens)
-
-    def starts(self, step: int) -> np.ndarray:
-        rng = np.random.default_rng((self.seed, step))
-        return rng.integers(0, len(self.docs.tokens) - self.seq_len - 1, size=self.batch_size)
-
-    def fixed_starts(self, count: int) -> np.ndarray:
-        last = len(self.docs.tokens) - self.seq_len - 1
-        return np.linspace(0, last, count * self.batch_size).astype(np.int64).reshape(count, self.batch_size)
+        super().__init__(docs.tokens, seq_len, batch_size, seed)
+        self.docs, self._starts = docs, docs.starts
 
     def efficiency(self, starts: np.ndarray) -> float:
         """Windows of the concatenation hold no padding."""
@@ -52,7 +43,7 @@ class ConcatSampler:
     def windows(self, starts: np.ndarray) -> PackedRows:
         width, rows = self.seq_len + 1, []
         for begin in np.asarray(starts, np.int64):
-            tokens_T = np.asarray(self.docs.tokens[begin:begin + width])
+            tokens_T = np.asarray(self._read(begin))
             doc_T = np.searchsorted(self.docs.ends, begin + np.arange(width), side="right")
             mask_T = None if self.docs.mask is None else self.docs.mask[begin:begin + width]
             rows.append((tokens_T, *_labelled(tokens_T, doc_T, self._starts, int(begin), mask_T)))

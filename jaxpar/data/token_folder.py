@@ -81,7 +81,7 @@ class ShardedTokens:
         return lambda start: dataset[int(start)]
 
 
-def _meta(folder: Path) -> dict:
+def read_meta(folder: Path) -> dict:
     try:
         meta = json.loads((folder / META).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -97,7 +97,7 @@ def _meta(folder: Path) -> dict:
 def open_token_folder(source: str, vocab_size: int) -> ShardedTokens:
     """The folder's tokens, checked against its meta.json and model.vocab_size; raises DataError."""
     folder = Path(source)
-    meta = _meta(folder)
+    meta = read_meta(folder)
     if meta["dtype"] not in DTYPES:
         raise DataError(f"data.source '{folder}': {META} gives dtype {meta['dtype']!r}; it must be one of "
                         f"{', '.join(DTYPES)}.")
@@ -129,7 +129,7 @@ def open_token_folder(source: str, vocab_size: int) -> ShardedTokens:
 
 def has_loss_mask(source: str) -> bool:
     """Whether data.source is a folder `jaxpar tokenize --sft` wrote (its tokens come with a loss mask)."""
-    return is_token_folder(source) and _meta(Path(source)).get("loss_mask") is True
+    return is_token_folder(source) and read_meta(Path(source)).get("loss_mask") is True
 
 
 def open_mask(source: str, meta: dict) -> ShardedTokens:

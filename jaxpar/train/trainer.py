@@ -90,14 +90,12 @@ class Trainer:
                 read[key] = sampler.windows(starts_B[index[0]])
             return read[key]
 
-        def leaf(pick, shape):
-            return jax.make_array_from_callback(shape, self.batch_sharding,
-                                                lambda index: pick(rows(index))[(slice(None), *index[1:])])
+        def leaf(i: int, shape: tuple):  # the host batch has the abstract batch's structure: leaf i is leaf i
+            return jax.make_array_from_callback(
+                shape, self.batch_sharding, lambda index: jax.tree.leaves(rows(index))[i][(slice(None), *index[1:])])
 
-        abstract = self.abstract_batch()
-        picks = jax.tree_util.tree_flatten_with_path(abstract)[0]
-        arrays = [leaf(functools.partial(_at_path, path=path), a.shape) for path, a in picks]
-        return jax.tree.unflatten(jax.tree.structure(abstract), arrays)
+        leaves, structure = jax.tree.flatten(self.abstract_batch())
+        return jax.tree.unflatten(structure, [leaf(i, a.shape) for i, a in enumerate(leaves)])
 
     def put_state(self, state: TrainState) -> TrainState:
         """Copy a state (from any layout) into this layout's shardings (adding or dropping
@@ -116,9 +114,3 @@ class Trainer:
         """Lower and compile the train step without running it (for plans and HLO checks)."""
         return self.step.lower(self.abstract_state(), self.abstract_batch()).compile(compiler_options)
 
-
-def _at_path(tree, path):
-    """The leaf of `tree` at a tree_flatten_with_path path."""
-    for key in path:
-        tree = getattr(tree, key.name) if hasattr(key, "name") else tree[key.idx if hasattr(key, "idx") else key.key]
-    return tree
