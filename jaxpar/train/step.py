@@ -77,6 +77,13 @@ def _logits(model: nnx.Module, batch) -> jax.Array:
     return model(batch[:, :-1])
 
 
+def _run_blocks(model: nnx.Module, x_BLD: jax.Array, scan, layer_ids, rows: RowInputs):
+    """model.run_blocks with the rows' noise, and their documents only for packed rows: a model of
+    your own that never trains packed rows need not take `segments` (jaxpar.model.protocol)."""
+    documents = {} if rows.segments is None else {"segments": rows.segments}
+    return model.run_blocks(x_BLD, scan, layer_ids, rows.noise_B, **documents)
+
+
 def weighted(batch):
     """A batch ready for the loss: packed rows get their targets' weights (computed on the whole batch)."""
     return batch.weighted() if isinstance(batch, PackedRows) else batch
@@ -124,8 +131,7 @@ def objective(model: nnx.Module, tokens_BT, rows: RowInputs, t: TrainConfig, moe
     if not is_block_model(model):
         loss = _cross_entropy(_logits(model, tokens_BT), tokens_BT)
         return loss, {"loss": loss}
-    x_BLD, routing = model.run_blocks(_embedded(model, tokens_BT), scan, noise_B=rows.noise_B,
-                                      segments=rows.segments)
+    x_BLD, routing = _run_blocks(model, _embedded(model, tokens_BT), scan, None, rows)
     loss = _cross_entropy(model.logits(x_BLD), tokens_BT)
     if not routing:
         return loss, {"loss": loss}
@@ -140,7 +146,7 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPo
     model = lambda p: _model(graphdef, p, precision, hooks)  # noqa: E731
 
     def layers(p, x_bLD, layer_ids, rows_b: RowInputs):
-        x_bLD, routing = model(p).run_blocks(x_bLD, scan, layer_ids, rows_b.noise_B, rows_b.segments)
+        x_bLD, routing = _run_blocks(model(p), x_bLD, scan, layer_ids, rows_b)
         aux, sums = routing_terms(routing, moe)
         return (x_bLD, aux * scale), sums
 
