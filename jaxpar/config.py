@@ -202,6 +202,8 @@ class DataConfig:
     source: str = "builtin"
     val_fraction: float = 0.05
     packing: Literal["none", "concat", "pack"] = "none"
+    # tokenized folders mixed by weight, 'FOLDER:WEIGHT,FOLDER:WEIGHT' (jaxpar.data.mixture); in place of source
+    mixture: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,7 +65,7 @@ def generate(source: str, prompt: str, tokens: int, temperature: float = 0.0, se
         finally:
             run.close()
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
-        tokenizer = tokenizer_folder(cfg.data.source, cfg.model.from_hf)
+        tokenizer = tokenizer_folder(cfg.data, cfg.model.from_hf)
         where = Path(cfg.model.from_hf) if cfg.model.from_hf else None
     else:
         raise UserError(f"{source} is neither a run folder (with checkpoints/) nor a Hugging Face checkpoint "

@@ -10,7 +10,9 @@ import functools
 from jaxpar import precision
 from jaxpar.config import Config
 from jaxpar.data import BatchSampler, load_tokens, split_tokens
+from jaxpar.data.mixture import mixture_samplers
 from jaxpar.data.packing import packed_samplers
+from jaxpar.data.sources import parse_mixture
 from jaxpar.data.token_folder import TextCodec, has_loss_mask, tokenizer_folder
 from jaxpar.errors import DataError
 from jaxpar.interop.hf_config import resolve as resolve_hf
@@ -36,6 +38,8 @@ class Session:
     @functools.cached_property
     def _samplers(self) -> tuple:
         m, t, d = self.cfg.model, self.cfg.train, self.cfg.data
+        if self.mixture:
+            return mixture_samplers(self.mixture, d, m, t)
         if d.packing != "none":
             return packed_samplers(d, m, t)
         if has_loss_mask(d.source):
@@ -44,6 +48,11 @@ class Session:
         train_tokens, val_tokens = split_tokens(load_tokens(d.source, m.vocab_size), d.val_fraction, m.seq_len)
         return (BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed),
                 BatchSampler(val_tokens, m.seq_len, t.batch_size, t.seed))
+
+    @functools.cached_property
+    def mixture(self) -> tuple[tuple[str, float], ...]:
+        """data.mixture's (folder, weight) pairs, the weights summing to 1; () without a mixture."""
+        return parse_mixture(self.cfg.data.mixture)
 
     def mesh_name(self) -> str:
         """The mesh axes of size > 1, such as 'data=4 tensor=2' ('single device' when none)."""
@@ -71,7 +80,7 @@ class Session:
     def codec(self) -> TextCodec:
         """Text <-> token ids (prompts and samples): the tokenized folder's tokenizer, else model.from_hf's,
         else bytes."""
-        return TextCodec(tokenizer_folder(self.cfg.data.source, self.cfg.model.from_hf))
+        return TextCodec(tokenizer_folder(self.cfg.data, self.cfg.model.from_hf))
 
     @property
     def train_data(self):

@@ -10,6 +10,7 @@ import math
 
 from jaxpar import precision
 from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig
+from jaxpar.data.sources import parse_mixture
 from jaxpar.switches import ZeroStage, not_with_local_sgd
 
 LAUNCHABLE_COMMANDS = ("train", "verify", "plan")
@@ -326,6 +327,17 @@ def _validate_run_numbers(cfg: Config) -> None:
         raise ConfigError(f"train.loss_scale_window must be positive, got {t.loss_scale_window}.")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
+    _validate_mixture(cfg.data)
+
+
+def _validate_mixture(data) -> None:
+    if not parse_mixture(data.mixture):
+        return
+    if data.packing == "none":
+        raise ConfigError("data.mixture mixes documents from tokenized folders; set data.packing=pack (or concat).")
+    if data.source != "builtin":
+        raise ConfigError(f"data.mixture takes the place of data.source; leave data.source unset, not "
+                          f"{data.source!r}.")
 
 
 def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str, int], dict[str, int]]:

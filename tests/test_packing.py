@@ -253,3 +253,79 @@ def test_bad_inputs_end_in_one_sentence(name, content, flags, message, tmp_path,
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "tok").exists() and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+# ---------------------------------------------------------------- mixtures of tokenized folders
+
+
+@pytest.fixture(scope="module")
+def mixture_folders(tmp_path_factory):
+    """'web' and 'code' (half the built-in topics each) with one tokenizer, and 'other' with another."""
+    import json
+
+    from jaxpar.data.corpus import builtin_topics
+    from jaxpar.data.tokenize import tokenize
+
+    root, topics = tmp_path_factory.mktemp("mixture"), builtin_topics()
+    for name, part in (("web", topics[:45]), ("code", topics[45:])):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    text = DocumentSpec(field="text")
+    tokenize([str(root / "web.jsonl"), str(root / "code.jsonl")], str(root / "shared"), vocab_size=300,
+             progress=False, spec=text)
+    for name in ("web", "code"):
+        tokenize([str(root / f"{name}.jsonl")], str(root / name), tokenizer_file=str(root / "shared"),
+                 progress=False, spec=text)
+    tokenize([str(root / "code.jsonl")], str(root / "other"), vocab_size=299, progress=False, spec=text)
+    return root
+
+
+@pytest.mark.slow
+def test_mixture_draws_by_weight_reports_each_source_and_resumes_exactly(mixture_folders, capsys, tmp_path):
+    import json
+
+    from helpers import train_here
+
+    root = mixture_folders
+    settings = [f"data.mixture={root / 'web'}:0.7,{root / 'code'}:0.3", "data.packing=pack", "model.vocab_size=300",
+                "train.eval_every=50", "train.sample_tokens=0"]
+
+    def rows(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in ("step_time_s", "tokens_per_s")}
+                for line in lines]
+
+    whole, resumed = tmp_path / "whole", tmp_path / "cut"
+    assert train_here(capsys, whole, *settings, "train.steps=200")[0] == 0
+    assert train_here(capsys, resumed, *settings, "train.steps=100", "checkpoint.every=100")[0] == 0
+    assert train_here(capsys, resumed, *settings, "train.steps=200")[0] == 0
+    logged = rows(whole)
+    assert rows(resumed) == logged and len(logged) == 200  # every metric of every step, the shares too
+    web, code = (f"{root / name}" for name in ("web", "code"))
+    assert abs(np.mean([r[f"share/{web}"] for r in logged]) - 0.7) <= 0.02
+    assert abs(np.mean([r[f"share/{code}"] for r in logged]) - 0.3) <= 0.02
+    # the batch loss is a mean over both sources' targets, so it lies between their losses
+    assert all(min(r[f"loss/{web}"], r[f"loss/{code}"]) - 1e-6 <= r["loss"] <= max(r[f"loss/{web}"], r[f"loss/{code}"])
+               + 1e-6 for r in logged if f"loss/{code}" in r and f"loss/{web}" in r)
+    evaluated = [r for r in logged if "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [50, 100, 150, 200]
+    assert all(abs(0.7 * r[f"val_loss/{web}"] + 0.3 * r[f"val_loss/{code}"] - r["val_loss"]) <= 1e-6
+               for r in evaluated)
+
+
+BAD_MIXTURES = [
+    ("negative weight", "{root}/web:-0.5,{root}/code:1", "data.packing=pack", "a positive weight"),
+    ("not a tokenized folder", "{root}/web:1,{root}/nowhere:1", "data.packing=pack",
+     "which is not a folder `jaxpar tokenize` wrote"),
+    ("tokenizers differ", "{root}/web:1,{root}/other:1", "data.packing=pack", "different tokenizers"),
+    ("without packing", "{root}/web:1,{root}/code:1", "data.packing=none", "set data.packing=pack"),
+]
+
+
+@pytest.mark.parametrize("name,mixture,packing,message", BAD_MIXTURES, ids=[b[0] for b in BAD_MIXTURES])
+def test_bad_mixtures_end_in_one_sentence(name, mixture, packing, message, mixture_folders, capsys, tmp_path):
+    from helpers import train_here
+
+    code, err = train_here(capsys, tmp_path / "run", f"data.mixture={mixture.format(root=mixture_folders)}",
+                           packing, "model.vocab_size=300")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()

@@ -21,8 +21,11 @@ class BatchSampler:
 
     def starts(self, step: int) -> np.ndarray:
         """Where the batch_size windows of optimizer step `step` begin (cheap: no tokens are read)."""
-        rng = np.random.default_rng((self.seed, step))
-        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+        return self.draw(np.random.default_rng((self.seed, step)), self.batch_size)
+
+    def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        """`count` window starts drawn with `rng` (a mixture draws each source's rows this way)."""
+        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=count)
 
     def batch(self, step: int) -> np.ndarray:
         """The (batch_size, seq_len+1) int32 batch for optimizer step `step`."""
@@ -31,6 +34,10 @@ class BatchSampler:
     def windows(self, starts: np.ndarray) -> np.ndarray:
         """Stack token windows beginning at `starts`."""
         return np.stack([self._read(s) for s in starts]).astype(np.int32)
+
+    def validation_starts(self, count: int) -> dict[str, np.ndarray]:
+        """The validation batches' starts by source: one source, named '' (a mixture names each)."""
+        return {"": self.fixed_starts(count)}
 
     def fixed_starts(self, count: int) -> np.ndarray:
         """(count, batch_size) starts of evenly spaced windows covering the array (for validation)."""

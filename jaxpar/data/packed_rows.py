@@ -23,13 +23,16 @@ class PackedRows:
     segments_BT: each token's document id, non-decreasing along the row (padding has its own).
     positions_BT: each token's position within its document.
     mask_BT: 1 where the token may be predicted (0: padding, a fine-tuning prompt).
-    weights_BL: set by the step (`weighted`): each target's weight in the batch's mean loss."""
+    weights_BL: set by the step (`weighted`): each target's weight in the batch's mean loss.
+    source_B: with a mixture (data.mixture), the source each row was drawn from, of `sources`."""
 
     tokens_BT: jax.Array
     segments_BT: jax.Array
     positions_BT: jax.Array
     mask_BT: jax.Array
     weights_BL: jax.Array | None = None
+    source_B: jax.Array | None = None
+    sources: int = dataclasses.field(default=0, metadata={"static": True})
 
     @property
     def inputs_BL(self) -> jax.Array:
@@ -56,3 +59,13 @@ class PackedRows:
         counted_BL = self.target_mask_BL().astype(jnp.float32)
         weights_BL = counted_BL / jnp.maximum(jnp.mean(counted_BL), 1.0 / counted_BL.size)
         return dataclasses.replace(self, weights_BL=weights_BL)
+
+    def by_source(self, losses_BL: jax.Array) -> dict:
+        """Per source of a mixture (else {}), two batch means that average over microbatches and shards
+        like the loss does: `source_loss`, its weighted targets' share of the loss, and
+        `source_targets`, their share of the counted targets (the source's mean loss is the ratio)."""
+        if self.source_B is None:
+            return {}
+        rows_BS = jax.nn.one_hot(self.source_B, self.sources, dtype=jnp.float32)
+        return {"source_loss": jnp.einsum("BL,BS->S", losses_BL * self.weights_BL, rows_BS) / losses_BL.size,
+                "source_targets": jnp.einsum("BL,BS->S", self.weights_BL, rows_BS) / losses_BL.size}

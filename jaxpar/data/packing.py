@@ -86,7 +86,14 @@ class PackSampler:
 
     def starts(self, step: int) -> np.ndarray:
         """The indices of step `step`'s rows in the plan."""
-        return np.random.default_rng((self.seed, step)).integers(0, len(self.rows), size=self.batch_size)
+        return self.draw(np.random.default_rng((self.seed, step)), self.batch_size)
+
+    def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        """`count` rows of the plan drawn with `rng`."""
+        return rng.integers(0, len(self.rows), size=count)
+
+    def validation_starts(self, count: int) -> dict[str, np.ndarray]:
+        return {"": self.fixed_starts(count)}
 
     def fixed_starts(self, count: int) -> np.ndarray:
         """(count, batch_size) rows spread evenly over the plan (for validation)."""
@@ -125,9 +132,10 @@ def _stacked(rows: list[tuple]) -> PackedRows:
 
 
 
-def packed_samplers(data, model, train) -> tuple:
-    """(train, validation) samplers of data.packing's rows over data.source's documents."""
-    docs = load_documents(data.source, model.vocab_size)
+def packed_samplers(data, model, train, source: str | None = None) -> tuple:
+    """(train, validation) samplers of data.packing's rows over the documents of `source` (default
+    data.source)."""
+    docs = load_documents(data.source if source is None else source, model.vocab_size)
     parts = split_documents(docs, data.val_fraction, model.seq_len)
     if data.packing == "concat":
         return tuple(ConcatSampler(p, model.seq_len, train.batch_size, train.seed) for p in parts)

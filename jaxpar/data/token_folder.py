@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar.data.sources import token_source
 from jaxpar.errors import DataError
 
 META, TOKENIZER = "meta.json", "tokenizer.json"
@@ -147,10 +148,11 @@ def open_mask(source: str, meta: dict) -> ShardedTokens:
     return ShardedTokens(shards)
 
 
-def tokenizer_folder(source: str, from_hf: str) -> Path | None:
-    """The folder holding the tokenizer of a model trained on data.source=`source`: a tokenized folder,
-    else the Hugging Face checkpoint the model came from (model.from_hf=`from_hf`, when it has one);
-    None for a model of bytes."""
+def tokenizer_folder(data, from_hf: str) -> Path | None:
+    """The folder holding the tokenizer of a model trained on the data config `data`: its tokenized
+    folder (data.source, or a mixture's), else the Hugging Face checkpoint the model came from
+    (model.from_hf=`from_hf`, when it has one); None for a model of bytes."""
+    source = token_source(data)
     if is_token_folder(source):
         return Path(source)
     if from_hf and (Path(from_hf) / TOKENIZER).is_file():

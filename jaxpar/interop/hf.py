@@ -70,7 +70,7 @@ def _write(params, cfg: Config, out: Path, dtype: str, progress: bool) -> list[s
     source = Path(cfg.model.from_hf) if cfg.model.from_hf and Path(cfg.model.from_hf).is_dir() else None
     with new_folder(out) as work:
         return save_params(params, cfg.model, work, _dtype_name(dtype), source,
-                           tokenizer_folder(cfg.data.source, cfg.model.from_hf), progress)
+                           tokenizer_folder(cfg.data, cfg.model.from_hf), progress)
 
 
 def save(model: Transformer, config: Config, folder: str | Path, dtype: str = "float32",

@@ -17,6 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxpar.charts import plot_loss
+from jaxpar.data.sources import token_source
 from jaxpar.data.token_folder import is_token_folder
 from jaxpar.distributed import StopAgreement, is_secondary
 from jaxpar.session import Session
@@ -66,17 +67,27 @@ class StopSignals:
         self._restore()
 
 
-def validation_losses(trainer: Trainer, params, session: Session) -> list:
+def validation_losses(trainer: Trainer, params, session: Session) -> dict[str, list]:
     """The loss of each batch of fixed, evenly spaced windows of the held-out split, dispatched
-    (device arrays: reading them waits)."""
+    (device arrays: reading them waits), by source: '' alone, or each folder of a mixture."""
     sampler = session.val_data
-    starts = sampler.fixed_starts(session.cfg.train.eval_batches)
-    return [trainer.eval_loss(params, trainer.put_windows(sampler, s)) for s in starts]
+    return {name: [trainer.eval_loss(params, trainer.put_windows(sampler, s)) for s in starts]
+            for name, starts in sampler.validation_starts(session.cfg.train.eval_batches).items()}
+
+
+def validation_metrics(losses: dict[str, list], session: Session) -> dict[str, float]:
+    """'val_loss' (a mixture's: its sources' losses weighted as the mixture draws them) and, for a
+    mixture, 'val_loss/<folder>' for each source."""
+    means = {name: float(np.mean(jax.device_get(batches))) for name, batches in losses.items()}
+    if not session.mixture:
+        return {"val_loss": means[""]}
+    weighted = sum(w * means[name] for name, w in session.mixture)
+    return {"val_loss": weighted, **{f"val_loss/{name}": means[name] for name, _ in session.mixture}}
 
 
 def validation_loss(trainer: Trainer, params, session: Session) -> float:
-    """Mean loss over fixed, evenly spaced windows of the held-out split."""
-    return float(np.mean(jax.device_get(validation_losses(trainer, params, session))))
+    """Mean loss over fixed, evenly spaced windows of the held-out split (of every source, by weight)."""
+    return validation_metrics(validation_losses(trainer, params, session), session)["val_loss"]
 
 
 def _primary() -> bool:
@@ -149,26 +160,31 @@ class _StepLog:
     def __init__(self, session: Session, metrics_path: Path, board, bar, checkpoints: Checkpoints):
         cfg = session.cfg
         self.cfg, self.metrics_path, self.board, self.bar, self.checkpoints = cfg, metrics_path, board, bar, checkpoints
+        self.session = session
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
         # a policy with loss scaling skips non-finite steps instead
         self.stop_on_nonfinite = cfg.train.on_nonfinite == "stop" and not session.precision.loss_scaling
         self.records: list[dict] = []
         self.last_time = time.perf_counter()
 
-    def finish(self, step: int, metrics, val_losses=None, efficiency: float | None = None) -> None:
-        """Read and log step `step`'s metrics; `efficiency`: the share of its batch's token slots that
-        hold document tokens (packed rows; tokens/s counts those alone)."""
+    def finish(self, step: int, metrics, val_losses=None, rows: dict | None = None) -> None:
+        """Read and log step `step`'s metrics; `rows`: what the host knows of packed rows (their
+        packing_efficiency, the share of token slots holding document tokens, which tokens/s counts
+        alone; a mixture's share/<folder>)."""
         values = {k: v.tolist() for k, v in jax.device_get(metrics).items()}  # scalars, or lists (per expert)
         if val_losses is not None:
-            values["val_loss"] = float(np.mean(jax.device_get(val_losses)))
+            values.update(validation_metrics(val_losses, self.session))
+        if "source_loss" in values:  # a mixture: each source's mean loss over its counted targets
+            losses, targets = values.pop("source_loss"), values.pop("source_targets")
+            values.update({f"loss/{name}": loss / count for (name, _), loss, count
+                           in zip(self.session.mixture, losses, targets) if count > 0})
         if not values.pop("synced", True):  # local SGD: the replicas' spread is measured when they synchronize
             del values["replica_spread"]
         now = time.perf_counter()
         step_time, self.last_time = now - self.last_time, now
-        real = self.tokens_per_step * (1.0 if efficiency is None else efficiency)
-        record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": real / step_time}
-        if efficiency is not None:
-            record["packing_efficiency"] = efficiency
+        rows = rows or {}
+        real = self.tokens_per_step * rows.get("packing_efficiency", 1.0)
+        record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": real / step_time, **rows}
         self.records.append(record)
         if _logged(step, self.cfg) and _primary():
             append_jsonl(self.metrics_path, record)
@@ -189,11 +205,18 @@ def _announce(session: Session) -> None:
         split = session.process_split
         processes = f", {jax.process_count()} processes over " + " x ".join(
             f"{axis}={n}" for axis, n in split.items() if n > 1)
-    if cfg.model.from_hf and not is_token_folder(cfg.data.source):
+    if cfg.model.from_hf and not is_token_folder(token_source(cfg.data)):
         _warn(f"data.source={cfg.data.source} is read as bytes, but model.from_hf's token ids are its tokenizer's; "
               f"tokenize the text first: jaxpar tokenize --input FILE --tokenizer {cfg.model.from_hf} --out DIR.")
     _say(f"jaxpar: training {cfg.model.n_layers}-layer d={cfg.model.d_model} model on {session.mesh_name()} "
          f"({len(session.devices)} {session.devices[0].platform} devices{processes}), {cfg.train.steps} steps")
+
+
+def _row_metrics(session: Session, starts) -> dict:
+    """What the host knows of a step's packed rows: their packing efficiency and a mixture's shares."""
+    sampler = session.train_data
+    shares = {f"share/{name}": v for name, v in sampler.shares(starts).items()} if session.mixture else {}
+    return {"packing_efficiency": sampler.efficiency(starts), **shares}
 
 
 def _run_steps(session: Session, trainer: Trainer, checkpoints: Checkpoints, log: _StepLog, state, start: int):
@@ -208,13 +231,13 @@ def _run_steps(session: Session, trainer: Trainer, checkpoints: Checkpoints, log
         for index in range(start, t.steps):
             starts = session.train_data.starts(index)
             state, metrics = trainer.step(state, trainer.put_windows(session.train_data, starts))
-            efficiency = session.train_data.efficiency(starts) if packed else None
+            rows = _row_metrics(session, starts) if packed else None
             if pending is not None:
                 log.finish(*pending)
             step = index + 1
             # dispatched now, on this step's weights; read with its metrics
             val = validation_losses(trainer, state.params, session) if _evaluated(step, t) else None
-            pending = (step, metrics, val, efficiency)
+            pending = (step, metrics, val, rows)
             stopping = agreement.should_stop(step, signals.received is not None)
             if stopping or (every and step % every == 0):
                 # Read this step's metrics first: only a finite step is checkpointed.

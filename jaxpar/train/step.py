@@ -57,10 +57,17 @@ class RowInputs:
 def _cross_entropy(logits_BLV: jax.Array, batch) -> jax.Array:
     """The mean next-token cross-entropy in fp32: over every target of a token array, over the counted
     targets of packed rows (weighted by the step: PackedRows.weighted)."""
+    return _loss_stats(logits_BLV, batch)[0]
+
+
+def _loss_stats(logits_BLV: jax.Array, batch) -> tuple[jax.Array, dict]:
+    """(the mean cross-entropy, {'loss': it, and for a mixture each source's share: PackedRows.by_source})."""
     if isinstance(batch, PackedRows):
         losses_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), batch.targets_BL)
-        return (losses_BL * batch.weights_BL).mean()
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), batch[:, 1:]).mean()
+        loss = (losses_BL * batch.weights_BL).mean()
+        return loss, {"loss": loss, **batch.by_source(losses_BL)}
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), batch[:, 1:]).mean()
+    return loss, {"loss": loss}
 
 
 def _embedded(model: nnx.Module, batch) -> jax.Array:
@@ -129,14 +136,13 @@ def objective(model: nnx.Module, tokens_BT, rows: RowInputs, t: TrainConfig, moe
     (jaxpar.model.protocol) is called whole.
     """
     if not is_block_model(model):
-        loss = _cross_entropy(_logits(model, tokens_BT), tokens_BT)
-        return loss, {"loss": loss}
+        return _loss_stats(_logits(model, tokens_BT), tokens_BT)
     x_BLD, routing = _run_blocks(model, _embedded(model, tokens_BT), scan, None, rows)
-    loss = _cross_entropy(model.logits(x_BLD), tokens_BT)
+    loss, stats = _loss_stats(model.logits(x_BLD), tokens_BT)
     if not routing:
-        return loss, {"loss": loss}
+        return loss, stats
     aux, sums = routing_terms(routing, moe)
-    return loss + aux, {"loss": loss, **routing_stats(sums, jax.tree.leaves(routing)[0].shape[0])}
+    return loss + aux, {**stats, **routing_stats(sums, jax.tree.leaves(routing)[0].shape[0])}
 
 
 def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPolicy, scale: jax.Array) -> StageFns:

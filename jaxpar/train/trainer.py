@@ -108,7 +108,11 @@ class Trainer:
         """The shapes, dtypes and sharding of one step's batch: a token array, or packed rows."""
         shape = (self.cfg.train.batch_size, self.cfg.model.seq_len + 1)
         one = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
-        return one if self.cfg.data.packing == "none" else PackedRows(one, one, one, one)
+        if self.cfg.data.packing == "none":
+            return one
+        sources = len(self.session.mixture)
+        source_B = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=self.batch_sharding) if sources else None
+        return PackedRows(one, one, one, one, source_B=source_B, sources=sources)
 
     def compile_step(self, compiler_options: dict | None = None):
         """Lower and compile the train step without running it (for plans and HLO checks)."""
