@@ -173,13 +173,14 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     from jaxpar.data.document_readers import DocumentSpec
     from jaxpar.data.tokenize import tokenize
 
-    spec = DocumentSpec(split=args.split, field=args.field or args.column, sft=args.sft, prompt=args.field_prompt,
-                        response=args.field_response)
+    field = args.field or args.column or ("messages" if args.chat else None)
+    spec = DocumentSpec(split=args.split, field=field, sft=args.sft, prompt=args.field_prompt,
+                        response=args.field_response, chat=args.chat)
     meta = tokenize(args.input, args.out, args.vocab_size, args.tokenizer, progress=not args.no_progress, spec=spec)
     print(f"{meta['tokens']:,} tokens in {meta['documents']['count']:,} documents ({meta['dtype']}, vocabulary "
           f"{meta['vocab_size']}) in {len(meta['shards'])} shard(s) under {args.out}/; train on them with "
           f"data.source={args.out} model.vocab_size={meta['vocab_size']}"
-          + (" data.packing=pack (the loss is on the responses)" if args.sft else ""))
+          + (" data.packing=pack (the loss is on the responses)" if spec.masked else ""))
     print(json.dumps({k: meta[k] for k in ("vocab_size", "dtype", "tokens", "inputs_sha256")}))
     return 0
 
@@ -254,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft", action="store_true",
                    help="fine-tuning pairs: the loss counts the response tokens only (with --field-prompt and "
                         "--field-response, fields of .jsonl lines or columns of .parquet rows)")
+    p.add_argument("--chat", action="store_true",
+                   help="fine-tuning chats: each record's messages (--field/--column, default 'messages': a list of "
+                        "{role, content}), rendered with the tokenizer's chat template where it has one; the loss "
+                        "counts the assistant's messages only")
     p.add_argument("--field-prompt", metavar="NAME", help="--sft: the prompt's field (column)")
     p.add_argument("--field-response", metavar="NAME", help="--sft: the response's field (column)")
     p.add_argument("--vocab-size", type=int,

@@ -43,8 +43,8 @@ class Session:
         if d.packing != "none":
             return packed_samplers(d, m, t)
         if has_loss_mask(d.source):
-            raise DataError(f"data.source '{d.source}' was tokenized with --sft, and data.packing=none would put the "
-                            f"prompts in the loss too; train it with data.packing=pack (or concat).")
+            raise DataError(f"data.source '{d.source}' was tokenized with --sft or --chat, and data.packing=none would "
+                            f"put the prompts in the loss too; train it with data.packing=pack (or concat).")
         train_tokens, val_tokens = split_tokens(load_tokens(d.source, m.vocab_size), d.val_fraction, m.seq_len)
         return (BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed),
                 BatchSampler(val_tokens, m.seq_len, t.batch_size, t.seed))

@@ -232,6 +232,8 @@ BAD_INPUTS = [
     ("sft without response", "{\"p\": \"a\", \"r\": \"b\"}\n", ["--sft", "--field-prompt", "p"],
      "--sft needs both --field-prompt and --field-response"),
     ("parquet column", None, ["--column", "body"], "has no column 'body'"),
+    ("chat that is not messages", "{\"messages\": \"hello\"}\n", ["--chat"],
+     "line 1: field 'messages' is not a list of messages"),
 ]
 
 
@@ -329,3 +331,42 @@ def test_bad_mixtures_end_in_one_sentence(name, mixture, packing, message, mixtu
                            packing, "model.vocab_size=300")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [CHATML, None], ids=["chat template", "no template"])
+def test_chats_put_the_assistant_messages_alone_in_the_loss(template, sft_folder, tmp_path):
+    """--chat renders each conversation with the tokenizer's template (else `role: content` lines), and
+    the loss mask covers exactly the assistant's messages (and the end token)."""
+    import json
+    import shutil
+
+    from jaxpar.data.token_folder import TextCodec
+    from jaxpar.data.tokenize import tokenize
+
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    shutil.copy(sft_folder / "tokenizer.json", tokenizer / "tokenizer.json")
+    if template:
+        (tokenizer / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    chat = [{"role": "user", "content": "key abc ->"}, {"role": "assistant", "content": " xyz."},
+            {"role": "user", "content": "and def?"}, {"role": "assistant", "content": " uvw."}]
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    meta = tokenize([str(tmp_path / "chats.jsonl")], str(tmp_path / "tok"), tokenizer_file=str(tokenizer),
+                    progress=False, spec=DocumentSpec(field="messages", chat=True))
+    ids = np.fromfile(tmp_path / "tok" / meta["shards"][0]["file"], np.uint16)
+    mask = np.fromfile(tmp_path / "tok" / meta["shards"][0]["mask"], np.uint8)
+    codec, eod = TextCodec(tokenizer), meta["eod_id"]
+    assert ids[-1] == eod and mask[-1] == 1
+    counted = codec.decode([int(i) for i, m in zip(ids[:-1], mask[:-1]) if m])
+    given = codec.decode([int(i) for i, m in zip(ids, mask) if not m])
+    if template:
+        assert counted == " xyz.<|im_end|>\n uvw.<|im_end|>\n"
+        assert given == "<|im_start|>user\nkey abc -><|im_end|>\n<|im_start|>assistant\n<|im_start|>user\nand def?" \
+                        "<|im_end|>\n<|im_start|>assistant\n"
+    else:
+        assert counted == " xyz.\n uvw.\n"
+        assert given == "user: key abc ->\nassistant: user: and def?\nassistant: "

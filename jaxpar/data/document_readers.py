@@ -3,9 +3,11 @@
 `.txt`: a document per file, or per blank-line-separated block (split='paragraphs').
 `.jsonl`: a document per line, the text in `field`.
 `.parquet`: a document per row, the text in `column`, read in record batches with pyarrow.
-Fine-tuning (`sft`): each JSONL line or Parquet row gives a (prompt, response) pair instead.
+Fine-tuning (`sft`): each JSONL line or Parquet row gives a (prompt, response) pair instead; for
+chats (`chat`), a list of messages, each a {"role", "content"} mapping.
 
-Each is yielded as (content, ends): content a str, or a (prompt, response) pair of strs; ends
+Each is yielded as (content, ends): content a str, a (prompt, response) pair of strs, or a list of
+messages; ends
 whether the document ends with it (a long .txt file comes in pieces cut at line ends). Every
 malformed input is a DataError naming the file and the line or row.
 """
@@ -27,23 +29,32 @@ SUFFIXES = (".txt", ".jsonl", ".parquet")
 @dataclasses.dataclass(frozen=True)
 class DocumentSpec:
     """How inputs become documents: split ('file' or 'paragraphs', for .txt), field (.jsonl) or column
-    (.parquet) of the text, and for fine-tuning the prompt and response fields (columns)."""
+    (.parquet) of the text (of the messages, for chats), and for fine-tuning the prompt and response
+    fields (columns), or chats."""
 
     split: str = "file"
     field: str | None = None
     sft: bool = False
     prompt: str | None = None
     response: str | None = None
+    chat: bool = False
 
     def names(self) -> tuple[str, ...]:
         """The fields (columns) each record must have."""
         return (self.prompt, self.response) if self.sft else (self.field,)
+
+    @property
+    def masked(self) -> bool:
+        """Whether the documents carry a loss mask (fine-tuning pairs or chats)."""
+        return self.sft or self.chat
 
 
 def check_inputs(inputs: list[str], spec: DocumentSpec) -> None:
     """Every mistake in the inputs that can be seen before reading them, as one DataError sentence."""
     if spec.split not in ("file", "paragraphs"):
         raise DataError(f"--split must be 'file' or 'paragraphs', got {spec.split!r}.")
+    if spec.sft and spec.chat:
+        raise DataError("--sft and --chat are two kinds of fine-tuning set; give one.")
     if spec.sft and not (spec.prompt and spec.response):
         raise DataError("--sft needs both --field-prompt and --field-response (the fields of the prompt and of the "
                         "response the loss is on).")
@@ -53,8 +64,9 @@ def check_inputs(inputs: list[str], spec: DocumentSpec) -> None:
             raise DataError(f"--input '{name}' is not a file.")
         if path.suffix not in SUFFIXES:
             raise DataError(f"--input '{name}' is not a .txt, .jsonl or .parquet file.")
-        if spec.sft and path.suffix == ".txt":
-            raise DataError(f"--sft reads prompt/response pairs from .jsonl or .parquet files, not '{name}'.")
+        if spec.masked and path.suffix == ".txt":
+            flag = "--sft reads prompt/response pairs" if spec.sft else "--chat reads message lists"
+            raise DataError(f"{flag} from .jsonl or .parquet files, not '{name}'.")
         if path.suffix != ".txt" and not all(spec.names()):
             flag = "--field" if path.suffix == ".jsonl" else "--column"
             raise DataError(f"--input '{name}' needs {flag} NAME: which {flag[2:]} holds the text.")
@@ -110,12 +122,24 @@ def _paragraphs(path: Path) -> Iterator[str]:
         yield "".join(block)
 
 
-def _record(values: dict, spec: DocumentSpec, where: str) -> str | tuple[str, str]:
+def _record(values: dict, spec: DocumentSpec, where: str):
+    if spec.chat:
+        return _messages(values.get(spec.field), spec.field, where)
     for name in spec.names():
         if not isinstance(values.get(name), str):
             missing = name not in values
             raise DataError(f"{where} {'has no' if missing else 'has a non-text'} field '{name}'.")
     return (values[spec.prompt], values[spec.response]) if spec.sft else values[spec.field]
+
+
+def _messages(messages, field: str, where: str) -> list[dict]:
+    """A chat's messages, each {"role": str, "content": str}."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise DataError(f"{where}: field '{field}' is not a list of messages, each with a 'role' and a 'content' "
+                        f"text.")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _jsonl(path: Path, spec: DocumentSpec) -> Iterator[str | tuple[str, str]]:

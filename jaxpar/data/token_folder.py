@@ -129,7 +129,7 @@ def open_token_folder(source: str, vocab_size: int) -> ShardedTokens:
 
 
 def has_loss_mask(source: str) -> bool:
-    """Whether data.source is a folder `jaxpar tokenize --sft` wrote (its tokens come with a loss mask)."""
+    """Whether data.source is a folder `jaxpar tokenize --sft` or `--chat` wrote (its tokens come with a loss mask)."""
     return is_token_folder(source) and read_meta(Path(source)).get("loss_mask") is True
 
 

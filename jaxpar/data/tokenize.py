@@ -5,8 +5,8 @@ Face checkpoint or another tokenized folder), and write a tokenized folder (jaxp
 Documents keep their boundaries (jaxpar.data.document_readers says what a document is for each
 input): each ends with the end-of-document token (a trained tokenizer reserves `EOD`; an applied one
 gives its own end-of-sequence token, when it has one), and documents.bin lists where each ends, for
-`data.packing`. Fine-tuning pairs (--sft) also write a loss mask per token: 0 on the prompt, 1 on the
-response and its end token.
+`data.packing`. Fine-tuning pairs (--sft) and chats (--chat) also write a loss mask per token: 0 on
+the prompt (the other messages), 1 on the response (the assistant's messages) and the end token.
 
 The folder is written under a temporary name and renamed when complete, so an interrupted run or a
 malformed input leaves nothing half-written. Byte-level BPE is lossless: decoding gives the text back.
@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from jaxpar.data.chat import ChatFormat
 from jaxpar.data.document_readers import DocumentSpec, check_inputs, documents
 from jaxpar.data.token_folder import COMPANION_FILES, FORMAT, META, TOKENIZER, token_dtype, tokenizer_json
 from jaxpar.errors import DataError
@@ -63,7 +64,10 @@ def _train(inputs: list[str], vocab_size: int, progress: bool, spec: DocumentSpe
     def texts():
         for name in inputs:
             for content, _ in documents(Path(name), spec):
-                yield from (content if isinstance(content, tuple) else (content,))
+                if isinstance(content, list):  # a chat: its messages
+                    yield from (m["content"] for m in content)
+                else:
+                    yield from (content if isinstance(content, tuple) else (content,))
 
     tokenizer.train_from_iterator(texts(), trainer)
     return tokenizer
@@ -142,7 +146,8 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
         for companion in COMPANION_FILES:  # a checkpoint's tokenizer settings travel with it, for export
             if tokenizer_file and (Path(tokenizer_file).parent / companion).is_file():
                 shutil.copyfile(Path(tokenizer_file).parent / companion, work / companion)
-        writer, ends, digest = _ShardWriter(work, dtype, shard_tokens, spec.sft), [], hashlib.sha256()
+        writer, ends, digest = _ShardWriter(work, dtype, shard_tokens, spec.masked), [], hashlib.sha256()
+        chat = ChatFormat(Path(tokenizer_file).parent if tokenizer_file else None) if spec.chat else None
         end_ids = np.asarray([] if eod is None else [eod], np.int64)
         size = sum(Path(p).stat().st_size for p in inputs)
         with tqdm(total=size, unit="B", unit_scale=True, desc="tokenize", disable=not progress,
@@ -152,11 +157,12 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
                     while block := f.read(1 << 22):
                         digest.update(block)
                 for content, ends_document in documents(Path(name), spec):
-                    if spec.sft:
-                        prompt, response = (_encode(tokenizer, text) for text in content)
-                        ids = np.concatenate([prompt, response, end_ids])
-                        writer.add(ids, np.concatenate([np.zeros(len(prompt), np.uint8),
-                                                        np.ones(len(response) + len(end_ids), np.uint8)]))
+                    if spec.masked:
+                        pieces = chat.pieces(content) if spec.chat else [(content[0], False), (content[1], True)]
+                        ids = [_encode(tokenizer, text) for text, _ in pieces] + [end_ids]
+                        writer.add(np.concatenate(ids), np.concatenate(
+                            [np.full(len(i), int(counted), np.uint8) for i, (_, counted) in zip(ids, pieces)]
+                            + [np.ones(len(end_ids), np.uint8)]))
                     else:
                         ends_with = end_ids if ends_document else end_ids[:0]
                         writer.add(np.concatenate([_encode(tokenizer, content), ends_with]))
@@ -169,7 +175,7 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
         np.asarray(ends, np.int64).tofile(work / DOCUMENTS)
         meta = {"format": FORMAT, "vocab_size": vocab, "dtype": dtype, "tokens": writer.total,
                 "shards": writer.shards, "documents": {"file": DOCUMENTS, "count": len(ends)}, "eod_id": eod,
-                "loss_mask": spec.sft, "inputs": [str(p) for p in inputs], "inputs_sha256": digest.hexdigest(),
+                "loss_mask": spec.masked, "inputs": [str(p) for p in inputs], "inputs_sha256": digest.hexdigest(),
                 "tokenizer": TOKENIZER}
         (work / META).write_text(json.dumps(meta, indent=2) + "\n")
     return meta
