@@ -10,31 +10,21 @@ prefixes of each other cannot be cut so, and is refused in one sentence.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
+from jaxpar.data.token_folder import special_token
 from jaxpar.errors import DataError
 
 ASSISTANT = "assistant"
 
 
 class ChatFormat:
-    """Messages -> [(text, is_response)] pieces, by the chat template of `tokenizer_folder` when it
-    has one."""
+    """Messages -> [(text, is_response)] pieces, by the chat template of the tokenizer's settings
+    (its tokenizer_config.json: jaxpar.data.token_folder.tokenizer_settings) when they have one."""
 
-    def __init__(self, tokenizer_folder: Path | None):
-        self.template, self.tokens = None, {}
-        config = tokenizer_folder / "tokenizer_config.json" if tokenizer_folder else None
-        if config is not None and config.is_file():
-            try:
-                settings = json.loads(config.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-                raise DataError(f"{config} is not JSON.") from None
-            if isinstance(settings.get("chat_template"), str):
-                self.template = _compiled(settings["chat_template"], config)
-            for key in ("bos_token", "eos_token"):  # what templates refer to
-                value = settings.get(key)
-                self.tokens[key] = value.get("content", "") if isinstance(value, dict) else value or ""
+    def __init__(self, settings: dict):
+        template = settings.get("chat_template")
+        self.template = _compiled(template) if isinstance(template, str) else None
+        # what templates refer to
+        self.tokens = {key: special_token(settings, key) or "" for key in ("bos_token", "eos_token")}
 
     def pieces(self, messages: list[dict]) -> list[tuple[str, bool]]:
         if self.template is None:
@@ -63,7 +53,7 @@ class ChatFormat:
             raise DataError(f"the tokenizer's chat template failed on a conversation: {e}.") from None
 
 
-def _compiled(source: str, where: Path):
+def _compiled(source: str):
     """The template in a sandbox, as transformers renders it (blocks trimmed, raise_exception)."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -76,4 +66,4 @@ def _compiled(source: str, where: Path):
     try:
         return environment.from_string(source)
     except TemplateError as e:
-        raise DataError(f"the chat_template of {where} is not a Jinja template ({e}).") from None
+        raise DataError(f"the tokenizer's chat_template is not a Jinja template ({e}).") from None

@@ -81,9 +81,6 @@ class PackSampler:
         self.rows = pack_plan(np.diff(np.concatenate([[0], docs.ends])), seq_len + 1, seed)
         self._starts = docs.starts
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     def starts(self, step: int) -> np.ndarray:
         """The indices of step `step`'s rows in the plan."""
         return self.draw(np.random.default_rng((self.seed, step)), self.batch_size)
@@ -129,7 +126,6 @@ class PackSampler:
 def _stacked(rows: list[tuple]) -> PackedRows:
     tokens, segments, positions, masks = (np.stack(part) for part in zip(*rows))
     return PackedRows(tokens.astype(np.int32), segments, positions, masks)
-
 
 
 def packed_samplers(data, model, train, source: str | None = None) -> tuple:

@@ -21,7 +21,8 @@ from jaxpar.errors import DataError
 
 META, TOKENIZER = "meta.json", "tokenizer.json"
 # a Hugging Face tokenizer's settings beside its tokenizer.json (special tokens, chat template), kept with it
-COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_CONFIG = "tokenizer_config.json"
+COMPANION_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json")
 FORMAT = "jaxpar-tokens-1"
 DTYPES = ("uint16", "uint32")
 
@@ -171,6 +172,25 @@ def tokenizer_json(path: str | Path) -> Path:
     if not path.is_file():
         raise DataError(f"--tokenizer '{path}' is neither a {TOKENIZER} file nor a folder holding one.")
     return path
+
+
+def tokenizer_settings(folder: Path | None) -> dict:
+    """The tokenizer_config.json beside a tokenizer (special tokens, chat template), {} where there is none."""
+    config = folder / TOKENIZER_CONFIG if folder is not None else None
+    if config is None or not config.is_file():
+        return {}
+    try:
+        settings = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise DataError(f"{config} is not JSON.") from None
+    return settings if isinstance(settings, dict) else {}
+
+
+def special_token(settings: dict, key: str) -> str | None:
+    """A special token's text from tokenizer settings ('eos_token', ...): a string, or {'content': ...}."""
+    value = settings.get(key)
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
 
 
 def tokenizer_vocab(path: Path) -> int:

@@ -25,7 +25,16 @@ from tqdm import tqdm
 
 from jaxpar.data.chat import ChatFormat
 from jaxpar.data.document_readers import DocumentSpec, check_inputs, documents
-from jaxpar.data.token_folder import COMPANION_FILES, FORMAT, META, TOKENIZER, token_dtype, tokenizer_json
+from jaxpar.data.token_folder import (
+    COMPANION_FILES,
+    FORMAT,
+    META,
+    TOKENIZER,
+    special_token,
+    token_dtype,
+    tokenizer_json,
+    tokenizer_settings,
+)
 from jaxpar.errors import DataError
 from jaxpar.folders import is_free, new_folder
 
@@ -73,19 +82,11 @@ def _train(inputs: list[str], vocab_size: int, progress: bool, spec: DocumentSpe
     return tokenizer
 
 
-def end_of_document(tokenizer, tokenizer_file: str | None) -> int | None:
+def end_of_document(tokenizer, settings: dict) -> int | None:
     """The id that ends every document: a trained tokenizer's EOD, else the applied tokenizer's
-    end-of-sequence token (its tokenizer_config.json's eos_token, else a usual name), else None."""
-    names = list(EOS_NAMES)
-    config = Path(tokenizer_file).parent / "tokenizer_config.json" if tokenizer_file else None
-    if config is not None and config.is_file():
-        try:
-            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            raise DataError(f"{config} is not JSON.") from None
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        names = [eos, *names] if isinstance(eos, str) else names
-    for name in names:
+    end-of-sequence token (its settings' eos_token, else a usual name), else None."""
+    eos = special_token(settings, "eos_token")
+    for name in ([eos] if eos else []) + list(EOS_NAMES):
         if tokenizer.token_to_id(name) is not None:
             return tokenizer.token_to_id(name)
     return None
@@ -138,7 +139,8 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
     check_tokenize_args(inputs, vocab_size, out, tokenizer_file, spec)
     tokenizer_file = str(tokenizer_json(tokenizer_file)) if tokenizer_file else None
     tokenizer = Tokenizer.from_file(tokenizer_file) if tokenizer_file else _train(inputs, vocab_size, progress, spec)
-    eod = end_of_document(tokenizer, tokenizer_file)
+    settings = tokenizer_settings(Path(tokenizer_file).parent if tokenizer_file else None)
+    eod = end_of_document(tokenizer, settings)
     vocab = tokenizer.get_vocab_size()
     dtype = token_dtype(vocab)
     with new_folder(Path(out)) as work:
@@ -147,7 +149,7 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
             if tokenizer_file and (Path(tokenizer_file).parent / companion).is_file():
                 shutil.copyfile(Path(tokenizer_file).parent / companion, work / companion)
         writer, ends, digest = _ShardWriter(work, dtype, shard_tokens, spec.masked), [], hashlib.sha256()
-        chat = ChatFormat(Path(tokenizer_file).parent if tokenizer_file else None) if spec.chat else None
+        chat = ChatFormat(settings) if spec.chat else None
         end_ids = np.asarray([] if eod is None else [eod], np.int64)
         size = sum(Path(p).stat().st_size for p in inputs)
         with tqdm(total=size, unit="B", unit_scale=True, desc="tokenize", disable=not progress,
