@@ -28,8 +28,12 @@ DTYPES = ("uint16", "uint32")
 
 
 def is_token_folder(source: str) -> bool:
-    """Whether data.source names a folder `jaxpar tokenize` wrote (one with a meta.json)."""
-    return source != "builtin" and Path(source, META).is_file()
+    """Whether data.source names a folder `jaxpar tokenize` wrote (one with a meta.json). A name the
+    system cannot look up (too long, say) names none; reading it says why (corpus.load_tokens)."""
+    try:
+        return source != "builtin" and Path(source, META).is_file()
+    except OSError:
+        return False
 
 
 def token_dtype(vocab_size: int) -> str:
