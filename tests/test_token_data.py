@@ -11,6 +11,8 @@ from helpers import resumed_run_matches, run_jaxpar_at_level_1, train_here
 
 from jaxpar.cli import main
 
+REQUIRED_METRICS = {"step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s"}
+
 # This module's fixtures are built once, on one pytest-xdist worker
 pytestmark = pytest.mark.xdist_group("test_token_data")
 
@@ -40,18 +42,28 @@ def test_tokenize_writes_a_lossless_folder(docs_and_tokens):
 
 
 @pytest.mark.slow
-def test_train_on_tokens_with_periodic_validation(docs_and_tokens, tmp_path):
-    """The issue's acceptance run: the default model, 60 steps, validation every 20."""
+def test_default_model_learns_from_a_tokenized_folder_with_periodic_validation(docs_and_tokens, tmp_path):
+    """The quick start's model and layout (data=4 x tensor=2) end to end on a tokenized folder:
+    60 steps with validation every 20; the loss falls and the run leaves its files behind. (Learning on
+    the built-in corpus is asserted by tests/test_precision.py's fp32 and fp16 curves.)"""
     _, tok = docs_and_tokens
     run = tmp_path / "run"
     done = run_jaxpar_at_level_1("train", "configs/default.yaml", f"data.source={tok}", "model.vocab_size=2048",
-                                 "train.steps=60", "train.eval_every=20", f"run.dir={run}", "--no-progress")
+                                 "train.steps=60", "train.log_every=5", "train.eval_every=20", f"run.dir={run}",
+                                 "--no-progress")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, *range(5, 61, 5)]
+    assert all(REQUIRED_METRICS <= set(r) for r in rows)
     assert [r["step"] for r in rows if "val_loss" in r] == [20, 40, 60]
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
-    sample = json.loads((run / "summary.json").read_text())["sample"]
-    assert sample.startswith("The ") and len(sample) > len("The ")  # decoded by the tokenizer, not as bytes
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["val_loss"] < rows[0]["loss"] and summary["final_loss"] == rows[-1]["loss"]
+    assert summary["layout"] == "data=4 tensor=2" and summary["config"]["mesh"]["tensor"] == 2
+    # decoded by the tokenizer, not as bytes
+    assert summary["sample"].startswith("The ") and len(summary["sample"]) > 40
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "validation loss" in done.stdout and "sample:" in done.stdout
 
 
 @pytest.mark.slow
