@@ -51,7 +51,7 @@ class Accepted(Exception):
 
 
 class StubTrainer:
-    def __init__(self, session, model=None, rules=None):
+    def __init__(self, session, model=None, rules=None, trace_routing=False):
         raise Accepted(session.cfg)
 
 

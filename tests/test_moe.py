@@ -79,6 +79,50 @@ def test_bf16_verify_reports_routing_changes_and_judges_the_other_weights(sessio
         assert "moe_param_max_rel_err" in result
 
 
+# Switch through a 1F1B pipeline (the layout a near-tie once failed on another CPU), top-1 beside tensor.
+NEAR_TIE_LAYOUTS = [("switch", ("mesh.data=2", "mesh.expert=2", "mesh.stage=2", "parallel.pipeline.schedule=1f1b",
+                                "parallel.pipeline.microbatches=4")),
+                    ("topk", ("mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=3"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router, layout", NEAR_TIE_LAYOUTS, ids=[f"{r} {' '.join(o)}" for r, o in NEAR_TIE_LAYOUTS])
+def test_a_near_tie_is_routed_the_same_way_on_every_layout(router, layout, session_for):
+    """Expert 1's router weights are expert 0's, each moved by one ulp up or down at random: the two
+    experts score every token within fp32 noise of each other, noise that each layout's reduction
+    order draws differently. Every token that would choose between them goes to expert 0, on the
+    layout and on one device alike, token by token."""
+    import jax
+    import numpy as np
+
+    from jaxpar.session import on_devices
+    from jaxpar.train.verify import reference_config, rerouted_tokens
+
+    session = session_for("model.moe.experts=4", "model.moe.every=1", f"model.moe.router={router}",
+                          "model.moe.top_k=1", "model.moe.noise=false", *SMALL, *layout)
+    trainer = Trainer(session, trace_routing=True)
+    reference = Trainer(on_devices(reference_config(session.cfg), jax.local_devices()[:1]), trace_routing=True)
+    state = jax.device_get(trainer.init())
+    rng = np.random.default_rng(0)
+
+    def near_tie(path, leaf):
+        if "w_router" not in jax.tree_util.keystr(path):
+            return leaf
+        leaf = np.array(leaf)
+        column = leaf[..., 0]
+        leaf[..., 1] = np.nextafter(column, np.where(rng.random(column.shape) < 0.5, -np.inf, np.inf))
+        return leaf
+
+    state = jax.tree_util.tree_map_with_path(near_tie, state)
+    batch = session.train_data.batch(0)
+    _, metrics = trainer.step(trainer.put_state(state), trainer.put_batch(batch))
+    _, ref_metrics = reference.step(reference.put_state(trainer.to_model_order(state)), reference.put_batch(batch))
+    metrics, ref_metrics = jax.device_get((metrics, ref_metrics))
+    assert rerouted_tokens(metrics, ref_metrics, session.cfg.model.n_layers) == 0
+    for counts in (metrics["moe_expert_tokens"], ref_metrics["moe_expert_tokens"]):
+        assert counts[1] == 0 and counts[0] > 0, counts  # the tie goes to the lower-numbered expert
+
+
 @pytest.mark.slow
 def test_switch_drops_fewer_tokens_with_more_capacity_and_a_dropped_token_reaches_no_expert():
     """Top-1 with a capacity: fewer drops as it grows, and a token whose assignment is dropped

@@ -33,8 +33,10 @@ class MoE(nnx.Module):
         self.w_down = param(rngs.params(), (E, F, D), ("expert", "mlp", "embed"),
                             F ** -0.5 / math.sqrt(2 * cfg.n_layers))
 
-    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None):
-        """noise_B: a PRNG key per batch row for noisy top-k (training), None for no noise."""
+    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, places_BR: jax.Array | None = None):
+        """noise_B: a PRNG key per batch row for noisy top-k (training), None for no noise.
+        places_BR: each row's one-hot place among the R rows of the whole batch, when the caller
+        traces routing token by token (verify); the stats then hold `routing_codes` (R, L)."""
         if self.group_size <= 0:
             raise ValueError("model.moe.group_size=0 (automatic) must be resolved for the mesh before the model "
                              "runs: see jaxpar.validation.with_derived")
@@ -74,4 +76,19 @@ class MoE(nnx.Module):
         stats = {"aux": balance, "z": routers.z_loss(logits_GNE), "unrouted": unrouted, "expert_tokens": tokens_E}
         if dropped is not None:
             stats["dropped"] = dropped
+        if places_BR is not None:
+            stats["routing_codes"] = routing_codes(dispatch, places_BR, L)
         return constrain(y_GND.reshape(B, L, D), ("batch", "residual_seq", "embed")), stats
+
+
+def routing_codes(dispatch_GNEC: jax.Array, places_BR: jax.Array, L: int) -> jax.Array:
+    """A small integer per token of the whole batch (R rows x L positions) that names the set of
+    experts the token went to (12 bits of a multiplicative hash of its expert bitmask, plus 1), at
+    the token's place and 0 elsewhere. Codes add up exactly over layers, microbatches and devices
+    (sums stay far below 2^24), so two runs routed a token alike when its summed codes agree."""
+    taken_GNE = jnp.sum(dispatch_GNEC, axis=-1) > 0
+    E = taken_GNE.shape[-1]
+    mask_GN = jnp.sum(taken_GNE.astype(jnp.uint32) << jnp.arange(E, dtype=jnp.uint32), axis=-1)
+    code_GN = ((mask_GN * jnp.uint32(2654435761)) >> 20) + 1
+    code_BL = code_GN.reshape(places_BR.shape[0], L).astype(jnp.float32)
+    return jnp.einsum("BR,BL->RL", places_BR, code_BL, precision=jax.lax.Precision.HIGHEST)

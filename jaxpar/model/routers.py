@@ -59,7 +59,7 @@ def switch(logits_GNE: jax.Array, C: int):
     Load-balancing loss E * sum_i f_i * P_i (f: fraction routed, P: mean router probability)."""
     E = logits_GNE.shape[-1]
     probs_GNE = jax.nn.softmax(logits_GNE, axis=-1)
-    choice_GN1 = jnp.argmax(probs_GNE, axis=-1)[..., None]
+    choice_GN1 = jnp.argmax(selection_key(probs_GNE), axis=-1)[..., None]
     gate_GN1 = jnp.take_along_axis(probs_GNE, choice_GN1, axis=-1)
     dispatch, combine, dropped = _dispatch_from_choices(choice_GN1, gate_GN1, E, C)
     fraction_GE = jnp.mean(jax.nn.one_hot(choice_GN1[..., 0], E), axis=1)
@@ -77,7 +77,9 @@ def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_G
     if noise_GNE is not None:
         stddev_GNE = jax.nn.softplus(noise_scale_GNE) + 1e-2
         noisy_GNE = logits_GNE + noise_GNE * stddev_GNE
-    top_GNK, choices_GNK = jax.lax.top_k(noisy_GNE, k)
+    # ranked by probability (the same order as the noisy logits, on a scale where bf16 rounding is relative)
+    _, choices_GNK = jax.lax.top_k(selection_key(jax.nn.softmax(noisy_GNE, axis=-1)), k)
+    top_GNK = jnp.take_along_axis(noisy_GNE, choices_GNK, axis=-1)
     gates_GNK = jax.nn.softmax(top_GNK, axis=-1)
     dispatch, combine, dropped = _dispatch_from_choices(choices_GNK, gates_GNK, E, C)
     importance_GE = jnp.sum(combine, axis=(1, 3))
@@ -92,17 +94,18 @@ def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_G
     return dispatch, combine, _cv_squared(importance_GE) + _cv_squared(load_GE), dropped
 
 
-def selection_key(probs: jax.Array) -> jax.Array:
-    """What Expert Choice ranks tokens by: the probability rounded to bfloat16 (8 significant bits).
+def selection_key(scores: jax.Array) -> jax.Array:
+    """What every router ranks by: its scores rounded to bfloat16 (8 significant bits).
 
     Tokens with the same input and context (the same byte opening two sequences) have equal
-    probabilities, bit for bit on one layout and an ulp apart on another, where the reduction
-    order differs. Ranked on exact fp32 values, such ties go one way here and the other way
-    there. Rounded, near-equal values become equal and `top_k` breaks the tie by token index
-    (the lower wins), the same on every layout; a flip now needs fp32 noise to straddle a
-    bf16 rounding boundary, about 1e-7 / 4e-3 of the time per tie.
+    scores, bit for bit on one layout and an ulp apart on another, where the reduction order
+    differs; two experts can score as close for one token. Ranked on exact fp32 values, such
+    near-ties go one way here and the other way there. Rounded, near-equal values become equal
+    and `top_k` / `argmax` break the tie by index (the lower wins), the same on every layout; a
+    flip now needs fp32 noise to straddle a bf16 rounding boundary, about 1e-7 / 4e-3 of the
+    time per compared value. The gates stay the exact fp32 scores of the chosen entries.
     """
-    return probs.astype(jnp.bfloat16).astype(jnp.float32)
+    return scores.astype(jnp.bfloat16).astype(jnp.float32)
 
 
 def expert_choice(logits_GNE: jax.Array, C: int):

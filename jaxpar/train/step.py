@@ -48,10 +48,12 @@ def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: PrecisionPolicy
 @dataclasses.dataclass(frozen=True)
 class RowInputs:
     """What the layers take per row besides the residual stream: a routing-noise PRNG key per row
-    (noisy top-k; else None) and the documents of packed rows (else None)."""
+    (noisy top-k; else None), the documents of packed rows (else None), and each row's one-hot
+    place in the whole batch when the step traces routing token by token (verify; else None)."""
 
     noise_B: jax.Array | None = None
     segments: Segments | None = None
+    places_BR: jax.Array | None = None
 
 
 def _cross_entropy(logits_BLV: jax.Array, batch) -> jax.Array:
@@ -88,7 +90,8 @@ def _run_blocks(model: nnx.Module, x_BLD: jax.Array, scan, layer_ids, rows: RowI
     """model.run_blocks with the rows' noise, and their documents only for packed rows: a model of
     your own that never trains packed rows need not take `segments` (jaxpar.model.protocol)."""
     documents = {} if rows.segments is None else {"segments": rows.segments}
-    return model.run_blocks(x_BLD, scan, layer_ids, rows.noise_B, **documents)
+    traced = {} if rows.places_BR is None else {"places_BR": rows.places_BR}
+    return model.run_blocks(x_BLD, scan, layer_ids, rows.noise_B, **documents, **traced)
 
 
 def weighted(batch):
@@ -96,8 +99,8 @@ def weighted(batch):
     return batch.weighted() if isinstance(batch, PackedRows) else batch
 
 
-def row_inputs(batch, noise_B: jax.Array | None) -> RowInputs:
-    return RowInputs(noise_B, batch.segments() if isinstance(batch, PackedRows) else None)
+def row_inputs(batch, noise_B: jax.Array | None, places_BR: jax.Array | None = None) -> RowInputs:
+    return RowInputs(noise_B, batch.segments() if isinstance(batch, PackedRows) else None, places_BR)
 
 
 def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT, precision: PrecisionPolicy) -> jax.Array:
@@ -124,6 +127,8 @@ def routing_stats(sums: dict, count: int) -> dict:
              "moe_expert_tokens": mean["expert_tokens"]}
     if "dropped" in mean:  # routers with a capacity to overflow (not Expert Choice)
         stats["moe_dropped_fraction"] = mean["dropped"]
+    if "routing_codes" in mean:  # traced token by token (verify)
+        stats["moe_routing_codes"] = mean["routing_codes"]
     return stats
 
 
@@ -232,8 +237,12 @@ def _updated(optimizer: Optimizer, state: TrainState, grads, finite, layout: Lay
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, layout: Layout,
-                    pipeline: PipelinePlan, precision: PrecisionPolicy):
+                    pipeline: PipelinePlan, precision: PrecisionPolicy, trace_routing: bool = False):
     """Build the pure step for one layout and pipeline plan (a plan without a table: no pipeline).
+
+    trace_routing (an MoE model; verify): the metrics also hold `moe_routing_codes`, per token of the
+    batch the sum over MoE layers of a code naming the experts it went to (jaxpar.model.moe.routing_codes),
+    so that two runs can be compared token by token.
 
     Under PipeDream-2BW (pipeline.stale_weights) gradients are taken on the weights one step old
     (state.stale_params) and applied to the current ones.
@@ -250,8 +259,11 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         grad_params = state.stale_params if pipeline.stale_weights else state.params
         step_key = jax.random.fold_in(jax.random.PRNGKey(t.seed), state.step)  # the same on every layout
         tokens_BT = weighted(tokens_BT)
-        rows_B = row_keys(step_key, jax.tree.leaves(tokens_BT)[0].shape[0]) if noisy else None
-        stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, row_inputs(tokens_BT, rows_B)), scale)
+        B = jax.tree.leaves(tokens_BT)[0].shape[0]
+        rows_B = row_keys(step_key, B) if noisy else None
+        places_BR = jnp.eye(B, dtype=jnp.float32) if trace_routing and moe.experts else None
+        stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, row_inputs(tokens_BT, rows_B, places_BR)),
+                                 scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
         loss_scale = state.loss_scale
         # loss scaling (fp16), or on_nonfinite=skip: a step with any non-finite gradient leaves the state
@@ -267,6 +279,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
             counts = stats["moe_expert_tokens"] * traced_batches
             metrics["moe_expert_tokens"] = counts
             metrics["moe_load_cv"] = jnp.std(counts) / jnp.maximum(jnp.mean(counts), 1e-9)
+        if "moe_routing_codes" in stats:  # the same scaling: per traced batch -> whole batch
+            metrics["moe_routing_codes"] = stats["moe_routing_codes"] * traced_batches
         if pipeline.table is not None:
             metrics["pipeline_idle_fraction"] = jnp.asarray(pipeline.table.idle_fraction, jnp.float32)
         stale = state.params if pipeline.stale_weights else None

@@ -9,11 +9,11 @@ from jaxpar.train.state_plan import StatePlan
 from jaxpar.train.step import make_eval_step, make_train_step
 
 
-def compile_steps(plan: StatePlan):
+def compile_steps(plan: StatePlan, trace_routing: bool = False):
     """(step(state, tokens_BT) -> (state, metrics), eval_loss(params, tokens_BT) -> loss), both jitted
-    (compiled when first called)."""
+    (compiled when first called). trace_routing: see make_train_step."""
     train_step = plan.strategy.step(make_train_step(plan.graphdef, plan.optimizer, plan.cfg, plan.state_layout,
-                                                    plan.pipeline, plan.precision))
+                                                    plan.pipeline, plan.precision, trace_routing))
     step = jax.jit(train_step, in_shardings=(plan.state_shardings, plan.batch_sharding),
                    out_shardings=(plan.state_shardings, plan.replicated), donate_argnums=0)
     eval_step = make_eval_step(plan.graphdef, plan.precision, plan.layout, plan.pipeline)

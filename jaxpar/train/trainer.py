@@ -23,10 +23,11 @@ class Trainer:
     """A session's state plan and jitted steps: `init()` and `step(state, batch)`, `eval_loss(params,
     batch)`, and placing states and batches on the mesh. `model` (a builder from nnx.Rngs; None:
     jaxpar's Transformer) and `rules` (its own logical names) are kept as given, for a reference
-    trainer of the same model on another config."""
+    trainer of the same model on another config. trace_routing: the step's metrics also name each
+    token's experts (verify; jaxpar.train.step.make_train_step)."""
 
     def __init__(self, session: Session, model: Callable[[nnx.Rngs], nnx.Module] | None = None,
-                 rules: Mapping | None = None):
+                 rules: Mapping | None = None, trace_routing: bool = False):
         self.session, self.model, self.rules = session, model, rules
         self.plan = plan = StatePlan.build(session, model, rules)
         self.cfg, self.mesh, self.graphdef = session.cfg, session.mesh, plan.graphdef
@@ -34,7 +35,7 @@ class Trainer:
         self.state_shardings, self.param_shardings = plan.state_shardings, plan.param_shardings
         self.batch_sharding, self.replicated, self.strategy = plan.batch_sharding, plan.replicated, plan.strategy
         self.precision = plan.precision
-        self.step, self.eval_loss = compile_steps(plan)
+        self.step, self.eval_loss = compile_steps(plan, trace_routing)
 
     def init(self) -> TrainState:
         """Create the initial state directly in its sharded layout: from model.from_hf's weights (each

@@ -32,7 +32,8 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     """Run both sides for train.steps steps; return the result dict printed by the CLI. `model`
     and `rules`: a module of your own and its rules, as for Trainer."""
     cfg = session.cfg
-    layout = Trainer(session, model, rules)
+    traced = bool(cfg.model.moe.experts) and model is None  # jaxpar's MoE names each token's experts
+    layout = Trainer(session, model, rules, trace_routing=traced)
     if layout.strategy.replicas:  # local SGD: against R single-device replicas synchronized by NumPy
         from jaxpar.train.verify_local import verify_local
 
@@ -42,7 +43,8 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
                 "layout": session.layout_name(), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
                 "param_max_rel_err": max(errors.values())}
     # In a multi-process run every process keeps its own reference on one of its own devices.
-    reference = Trainer(on_devices(reference_config(cfg), jax.local_devices()[:1]), model, rules)
+    reference = Trainer(on_devices(reference_config(cfg), jax.local_devices()[:1]), model, rules,
+                        trace_routing=traced)
     # The layout's arrays may span processes: copy them whole onto every device before reading them.
     gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
 
@@ -50,7 +52,7 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     ref_state = reference.put_state(layout.to_model_order(jax.device_get(gather(state))))
     loss_errors, moved = [], 0
     sampler = session.train_data
-    moe_layers = cfg.model.n_layers // cfg.model.moe.every if cfg.model.moe.experts else 0
+    moe_layers = cfg.model.n_layers // cfg.model.moe.every if traced else 0
     for index in range(cfg.train.steps):
         starts = sampler.starts(index)
         state, metrics = layout.step(state, layout.put_windows(sampler, starts))
@@ -58,7 +60,7 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
         loss, ref_loss = float(metrics["loss"]), float(ref_metrics["loss"])
         loss_errors.append(abs(loss - ref_loss) / abs(ref_loss))
         if moe_layers:
-            moved += _moved_assignments(metrics, ref_metrics, moe_layers)
+            moved += rerouted_tokens(metrics, ref_metrics, moe_layers)
         log(f"step {index + 1}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}")
 
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
@@ -83,12 +85,13 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     return {"ok": result.pop("ok"), **result}
 
 
-def _moved_assignments(metrics, ref_metrics, moe_layers: int) -> int:
-    """At least how many token-to-expert assignments differ between the two runs this step:
-    half the L1 distance between their per-expert token counts, over all MoE layers (a token
-    that moves leaves one expert's count and joins another's; moves that cancel are not seen)."""
-    counts, ref_counts = (np.asarray(m["moe_expert_tokens"], np.float64) * moe_layers for m in (metrics, ref_metrics))
-    return int(round(np.abs(counts - ref_counts).sum() / 2))
+def rerouted_tokens(metrics, ref_metrics, moe_layers: int) -> int:
+    """How many tokens of this step's batch went to other experts than in the reference, in any MoE
+    layer: their summed routing codes differ (jaxpar.model.moe.routing_codes; the step reports them
+    averaged over the layers, so they are scaled back and rounded to the integers they are)."""
+    codes, ref_codes = (np.rint(np.asarray(m["moe_routing_codes"], np.float64) * moe_layers)
+                        for m in (metrics, ref_metrics))
+    return int(np.count_nonzero(codes != ref_codes))
 
 
 def _moe_weights(errors: dict) -> set[str]:
