@@ -242,11 +242,30 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.experts={moe.experts}.")
     if moe.capacity_factor <= 0:
         raise ConfigError(f"model.moe.capacity_factor must be positive, got {moe.capacity_factor}.")
+    _validate_expert_shape(moe, m, sizes["tensor"])
     tokens = routed_tokens_per_device(cfg, sizes)
     if moe.group_size < 0 or (moe.group_size and tokens % moe.group_size):
         raise ConfigError(f"model.moe.group_size={moe.group_size} does not divide the {tokens} tokens per device "
                           "(train.batch_size / (data x expert x microbatches) x model.seq_len, microbatches being "
                           "train.grad_accum or parallel.pipeline.microbatches); leave it 0 to fit.")
+
+
+def _validate_expert_shape(moe, m, tensor: int) -> None:
+    """Expert widths and the router options that only top-k takes."""
+    for key in ("d_ff", "shared"):
+        if getattr(moe, key) < 0:
+            raise ConfigError(f"model.moe.{key} must be 0 or positive, got {getattr(moe, key)}.")
+    for key in ("routed_scale", "bias_rate"):
+        if not getattr(moe, key) > 0:
+            raise ConfigError(f"model.moe.{key} must be positive, got {getattr(moe, key)}.")
+    if m.expert_d_ff % tensor:
+        raise ConfigError(f"the experts' width {m.expert_d_ff} (model.moe.d_ff, or model.d_ff when 0) is not "
+                          f"divisible by mesh.tensor={tensor}.")
+    topk_only = {"score": moe.score != "softmax", "renormalize": not moe.renormalize, "balance": moe.balance != "aux"}
+    chosen = [f"model.moe.{key}={getattr(moe, key)}" for key, set_ in topk_only.items() if set_]
+    if chosen and moe.router != "topk":
+        raise ConfigError(f"{chosen[0]} needs model.moe.router=topk, but the router is {moe.router} "
+                          f"(Switch picks one expert by softmax, and Expert Choice fills every expert exactly).")
 
 
 MAX_AUTO_GROUP = 256

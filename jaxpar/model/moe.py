@@ -1,4 +1,5 @@
-"""A mixture-of-experts MLP: route tokens in fixed-size groups, run E GeLU experts, combine.
+"""A mixture-of-experts MLP: route tokens in fixed-size groups, run E GeLU or SwiGLU experts,
+combine, and add the shared experts' output (always-on experts, one dense MLP of their summed width).
 
 Routing groups are `group_size` consecutive tokens, independent of the mesh, so a token is
 routed the same way on one device and on many. Expert weights have a leading expert
@@ -8,6 +9,7 @@ experts and the layout's `expert_all_to_all` hook moves each expert's tokens to 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -17,21 +19,32 @@ from flax import nnx
 import jaxpar.model.routers as routers
 from jaxpar.config import ModelConfig
 from jaxpar.model.axes import constrain, expert_all_to_all, param, zeros_param
+from jaxpar.model.mlp import MLP
 
 
 class MoE(nnx.Module):
     """Router + E experts. Returns the combined output and routing statistics."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        moe, D, F = cfg.moe, cfg.d_model, cfg.d_ff
+        moe, D, F = cfg.moe, cfg.d_model, cfg.expert_d_ff
         E = moe.experts
         self.router, self.top_k, self.noise = moe.router, moe.top_k, moe.noise
         self.group_size, self.capacity_factor = moe.group_size, moe.capacity_factor
+        self.score, self.renormalize, self.routed_scale = moe.score, moe.renormalize, moe.routed_scale
         self.w_router = param(rngs.params(), (D, E), ("embed", None), D ** -0.5)
         self.w_noise = zeros_param((D, E), ("embed", None)) if moe.router == "topk" else None
-        self.w_up = param(rngs.params(), (E, D, F), ("expert", "embed", "mlp"), D ** -0.5)
+        self.gated = moe.mlp == "swiglu"
+        if self.gated:  # slot 0: gate, slot 1: up (as the dense MLP)
+            self.w_gate_up = param(rngs.params(), (E, D, 2, F), ("expert", "embed", None, "mlp"), D ** -0.5)
+        else:
+            self.w_up = param(rngs.params(), (E, D, F), ("expert", "embed", "mlp"), D ** -0.5)
         self.w_down = param(rngs.params(), (E, F, D), ("expert", "mlp", "embed"),
                             F ** -0.5 / math.sqrt(2 * cfg.n_layers))
+        # Shared experts: N always-on experts of width F sum to one MLP of width N x F.
+        self.shared = (MLP(dataclasses.replace(cfg, d_ff=moe.shared * F, mlp=moe.mlp), rngs=rngs)
+                       if moe.shared else None)
+        # Bias balancing: added to the scores for choosing experts alone; the step moves it (jaxpar.train.step).
+        self.router_bias = zeros_param((E,), (None,)) if moe.balance == "bias" else None
 
     def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, places_BR: jax.Array | None = None):
         """noise_B: a PRNG key per batch row for noisy top-k (training), None for no noise.
@@ -51,9 +64,9 @@ class MoE(nnx.Module):
         E = logits_GNE.shape[-1]
         C = routers.capacity(self.router, N, E, self.top_k, self.capacity_factor)
         if self.router == "switch":
-            dispatch, combine, balance, dropped = routers.switch(logits_GNE, C)
+            routed = routers.switch(logits_GNE, C)
         elif self.router == "expert_choice":
-            dispatch, combine, balance, dropped = routers.expert_choice(logits_GNE, C)
+            routed = routers.expert_choice(logits_GNE, C)
         else:
             noise_GNE = noise_scale_GNE = None
             if self.noise and noise_B is not None:
@@ -61,24 +74,41 @@ class MoE(nnx.Module):
                 noise_BLE = jax.vmap(lambda key: jax.random.normal(key, (L, E)))(noise_B)
                 noise_GNE = noise_BLE.reshape(G, N, E)
                 noise_scale_GNE = jnp.einsum("GND,DE->GNE", x32_GND, self.w_noise[...].astype(jnp.float32))
-            dispatch, combine, balance, dropped = routers.noisy_topk(logits_GNE, noise_scale_GNE, noise_GNE,
-                                                                     self.top_k, C)
+            bias_E = None if self.router_bias is None else self.router_bias[...].astype(jnp.float32)
+            routed = routers.noisy_topk(logits_GNE, noise_scale_GNE, noise_GNE, self.top_k, C, self.score,
+                                        self.renormalize, bias_E)
+        dispatch, combine, balance, dropped = routed.dispatch, routed.combine, routed.balance, routed.dropped
+        if self.routed_scale != 1.0:
+            combine = combine * self.routed_scale
         dtype = x_BLD.dtype
         x_EGCD = jnp.einsum("GNEC,GND->EGCD", dispatch.astype(dtype), x_GND)
         x_EGCD = expert_all_to_all(x_EGCD, inverse=False)  # local experts, every shard's groups
-        h_EGCF = jax.nn.gelu(jnp.einsum("EGCD,EDF->EGCF", x_EGCD, self.w_up[...]))
-        y_EGCD = jnp.einsum("EGCF,EFD->EGCD", h_EGCF, self.w_down[...])
+        y_EGCD = jnp.einsum("EGCF,EFD->EGCD", self._expert_hidden(x_EGCD), self.w_down[...])
         y_EGCD = expert_all_to_all(y_EGCD, inverse=True)  # back to the shard that owns the groups
         y_GND = jnp.einsum("GNEC,EGCD->GND", combine.astype(dtype), y_EGCD)
         tokens_E = jnp.sum(dispatch, axis=(0, 1, 3))
         # The share of tokens no expert took (the residual alone carries them), from the dispatch itself.
         unrouted = jnp.mean((jnp.sum(dispatch, axis=(2, 3)) == 0).astype(jnp.float32))
-        stats = {"aux": balance, "z": routers.z_loss(logits_GNE), "unrouted": unrouted, "expert_tokens": tokens_E}
+        chosen_E = routed.chosen_E
+        stats = {"aux": balance, "z": routers.z_loss(logits_GNE), "unrouted": unrouted, "expert_tokens": tokens_E,
+                 "max_load": jnp.max(chosen_E) / jnp.maximum(jnp.mean(chosen_E), 1e-9)}
         if dropped is not None:
             stats["dropped"] = dropped
         if places_BR is not None:
             stats["routing_codes"] = routing_codes(dispatch, places_BR, L)
-        return constrain(y_GND.reshape(B, L, D), ("batch", "residual_seq", "embed")), stats
+        if self.router_bias is not None:
+            stats["bias_term"] = bias_balance_term(self.router_bias[...], chosen_E)
+        y_BLD = constrain(y_GND.reshape(B, L, D), ("batch", "residual_seq", "embed"))
+        if self.shared is not None:
+            y_BLD = y_BLD + self.shared(x_BLD)
+        return y_BLD, stats
+
+    def _expert_hidden(self, x_EGCD: jax.Array) -> jax.Array:
+        """Each expert's hidden activations: gelu(x W_up), or silu(x W_gate) * (x W_up)."""
+        if self.gated:
+            gate_up_EGCQF = jnp.einsum("EGCD,EDQF->EGCQF", x_EGCD, self.w_gate_up[...])
+            return jax.nn.silu(gate_up_EGCQF[..., 0, :]) * gate_up_EGCQF[..., 1, :]
+        return jax.nn.gelu(jnp.einsum("EGCD,EDF->EGCF", x_EGCD, self.w_up[...]))
 
 
 def routing_codes(dispatch_GNEC: jax.Array, places_BR: jax.Array, L: int) -> jax.Array:
@@ -92,3 +122,11 @@ def routing_codes(dispatch_GNEC: jax.Array, places_BR: jax.Array, L: int) -> jax
     code_GN = ((mask_GN * jnp.uint32(2654435761)) >> 20) + 1
     code_BL = code_GN.reshape(places_BR.shape[0], L).astype(jnp.float32)
     return jnp.einsum("BR,BL->RL", places_BR, code_BL, precision=jax.lax.Precision.HIGHEST)
+
+
+def bias_balance_term(bias_E: jax.Array, chosen_E: jax.Array) -> jax.Array:
+    """Zero, whose gradient with respect to the bias is each expert's load above the mean: summed
+    over microbatches and devices like any gradient, its sign is the whole batch's, the same on
+    every layout. The step moves the bias against that sign (jaxpar.train.step.move_router_biases)."""
+    excess_E = jax.lax.stop_gradient(chosen_E - jnp.mean(chosen_E))
+    return jnp.sum(excess_E * (bias_E - jax.lax.stop_gradient(bias_E)))

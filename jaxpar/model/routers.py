@@ -1,21 +1,31 @@
 """Mixture-of-experts routers: which tokens of a routing group go to which expert slot.
 
-Every router maps router logits (G groups, N tokens, E experts) to
+Every router maps router logits (G groups, N tokens, E experts) to a `Routed`:
   dispatch (G, N, E, C): 1 where token n fills slot c of expert e,
   combine  (G, N, E, C): dispatch times the token's gate weight,
-the balance loss, and the share of assignments dropped for lack of capacity (None for
-Expert Choice, which never overflows). Balance losses are computed per
-routing group and averaged, so they do not depend on how groups are spread over devices.
+the balance loss, the share of assignments dropped for lack of capacity (None for Expert
+Choice, which never overflows), and each expert's count of assignments chosen before any was
+dropped. Balance losses are computed per routing group and averaged, so they do not depend on
+how groups are spread over devices.
 Shape legend: G groups, N tokens per group, E experts, C capacity (slots per expert per group), K top-k.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.scipy.stats import norm
+
+
+class Routed(NamedTuple):
+    dispatch: jax.Array  # (G, N, E, C)
+    combine: jax.Array  # (G, N, E, C)
+    balance: jax.Array  # the auxiliary balance loss (0 for Expert Choice)
+    dropped: jax.Array | None  # the share of assignments past capacity (None: Expert Choice)
+    chosen_E: jax.Array  # assignments each expert was chosen for, before capacity dropped any
 
 
 def capacity(router: str, group_size: int, experts: int, top_k: int, capacity_factor: float) -> int:
@@ -62,27 +72,39 @@ def switch(logits_GNE: jax.Array, C: int):
     choice_GN1 = jnp.argmax(selection_key(probs_GNE), axis=-1)[..., None]
     gate_GN1 = jnp.take_along_axis(probs_GNE, choice_GN1, axis=-1)
     dispatch, combine, dropped = _dispatch_from_choices(choice_GN1, gate_GN1, E, C)
-    fraction_GE = jnp.mean(jax.nn.one_hot(choice_GN1[..., 0], E), axis=1)
+    chosen_GNE = jax.nn.one_hot(choice_GN1[..., 0], E)
+    fraction_GE = jnp.mean(chosen_GNE, axis=1)
     balance = E * jnp.mean(jnp.sum(fraction_GE * jnp.mean(probs_GNE, axis=1), axis=-1))
-    return dispatch, combine, balance, dropped
+    return Routed(dispatch, combine, balance, dropped, jnp.sum(chosen_GNE, axis=(0, 1)))
 
 
 def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_GNE: jax.Array | None,
-               k: int, C: int):
+               k: int, C: int, score: str = "softmax", renormalize: bool = True, bias_E: jax.Array | None = None):
     """Noisy top-k gating (Shazeer et al. 2017): H = logits + N(0,1) * softplus(noise logits); keep
     the top k of H, softmax over them. Auxiliary loss: CV^2 of importance (sum of gates) plus
-    CV^2 of load (the smooth probability of each expert being in the top k)."""
+    CV^2 of load (the smooth probability of each expert being in the top k).
+
+    As open checkpoints define it: scores are the softmax (or the sigmoid, DeepSeek-V3) of H; the
+    gates are the chosen experts' scores, scaled to sum to 1 when `renormalize` (Mixtral,
+    Qwen3-MoE). bias_E (bias balancing) is added to the scores for choosing alone, not to the gates.
+    """
     E = logits_GNE.shape[-1]
     noisy_GNE = logits_GNE
     if noise_GNE is not None:
         stddev_GNE = jax.nn.softplus(noise_scale_GNE) + 1e-2
         noisy_GNE = logits_GNE + noise_GNE * stddev_GNE
-    # ranked by probability (the same order as the noisy logits, on a scale where bf16 rounding is relative)
-    _, choices_GNK = jax.lax.top_k(selection_key(jax.nn.softmax(noisy_GNE, axis=-1)), k)
-    top_GNK = jnp.take_along_axis(noisy_GNE, choices_GNK, axis=-1)
-    gates_GNK = jax.nn.softmax(top_GNK, axis=-1)
+    scores_GNE = jax.nn.sigmoid(noisy_GNE) if score == "sigmoid" else jax.nn.softmax(noisy_GNE, axis=-1)
+    # ranked by score (for softmax, the same order as the noisy logits, on a scale where bf16 rounding is relative)
+    _, choices_GNK = jax.lax.top_k(selection_key(scores_GNE if bias_E is None else scores_GNE + bias_E), k)
+    if score == "softmax" and renormalize:  # the softmax over the chosen logits
+        gates_GNK = jax.nn.softmax(jnp.take_along_axis(noisy_GNE, choices_GNK, axis=-1), axis=-1)
+    else:
+        gates_GNK = jnp.take_along_axis(scores_GNE, choices_GNK, axis=-1)
+        if renormalize:
+            gates_GNK = gates_GNK / jnp.sum(gates_GNK, axis=-1, keepdims=True)
     dispatch, combine, dropped = _dispatch_from_choices(choices_GNK, gates_GNK, E, C)
     importance_GE = jnp.sum(combine, axis=(1, 3))
+    chosen_GE = jnp.sum(jax.nn.one_hot(choices_GNK, E), axis=(1, 2))
     if noise_GNE is not None and k < E:
         # P(expert e stays in the top k if its noise were redrawn): the paper's smooth load estimator
         top_k1_GNK = jax.lax.top_k(noisy_GNE, k + 1)[0]
@@ -90,8 +112,9 @@ def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_G
         threshold_GNE = jnp.where(in_top_GNE, top_k1_GNK[..., k:k + 1], top_k1_GNK[..., k - 1:k])
         load_GE = jnp.sum(norm.cdf((logits_GNE - threshold_GNE) / stddev_GNE), axis=1)
     else:
-        load_GE = jnp.sum(jax.nn.one_hot(choices_GNK, E), axis=(1, 2))
-    return dispatch, combine, _cv_squared(importance_GE) + _cv_squared(load_GE), dropped
+        load_GE = chosen_GE
+    return Routed(dispatch, combine, _cv_squared(importance_GE) + _cv_squared(load_GE), dropped,
+                  jnp.sum(chosen_GE, axis=0))
 
 
 def selection_key(scores: jax.Array) -> jax.Array:
@@ -119,7 +142,7 @@ def expert_choice(logits_GNE: jax.Array, C: int):
     N = logits_GNE.shape[1]
     dispatch_GNEC = jnp.transpose(jax.nn.one_hot(tokens_GEC, N, dtype=jnp.float32), (0, 3, 1, 2))
     combine_GNEC = dispatch_GNEC * gates_GEC[:, None, :, :]
-    return dispatch_GNEC, combine_GNEC, jnp.zeros((), jnp.float32), None
+    return Routed(dispatch_GNEC, combine_GNEC, jnp.zeros((), jnp.float32), None, jnp.sum(dispatch_GNEC, axis=(0, 1, 3)))
 
 
 def z_loss(logits_GNE: jax.Array) -> jax.Array:

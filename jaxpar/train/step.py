@@ -115,7 +115,8 @@ def routing_terms(routing: dict, moe) -> tuple[jax.Array, dict]:
     if not routing:
         return jnp.zeros((), jnp.float32), {}
     sums = {k: jnp.sum(v, axis=0) for k, v in routing.items()}
-    return moe.aux_loss_weight * sums["aux"] + moe.z_loss_weight * sums["z"], sums
+    terms = moe.aux_weight * sums["aux"] + moe.z_loss_weight * sums["z"]
+    return (terms + sums["bias_term"] if "bias_term" in sums else terms), sums
 
 
 def routing_stats(sums: dict, count: int) -> dict:
@@ -124,7 +125,7 @@ def routing_stats(sums: dict, count: int) -> dict:
         return {}
     mean = {k: v / count for k, v in sums.items()}
     stats = {"moe_aux_loss": mean["aux"], "moe_z_loss": mean["z"], "moe_unrouted_fraction": mean["unrouted"],
-             "moe_expert_tokens": mean["expert_tokens"]}
+             "moe_expert_tokens": mean["expert_tokens"], "moe_max_load": mean["max_load"]}
     if "dropped" in mean:  # routers with a capacity to overflow (not Expert Choice)
         stats["moe_dropped_fraction"] = mean["dropped"]
     if "routing_codes" in mean:  # traced token by token (verify)
@@ -265,11 +266,17 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, row_inputs(tokens_BT, rows_B, places_BR)),
                                  scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
+        if moe.experts and moe.balance == "bias":  # the biases move by their own rule, not the optimizer's
+            bias_moves = jax.tree_util.tree_map_with_path(lambda p, g: _bias_move(p, g, moe.bias_rate), grads)
+            grads = jax.tree_util.tree_map_with_path(lambda p, g: jnp.zeros_like(g) if _is_bias(p) else g, grads)
         loss_scale = state.loss_scale
         # loss scaling (fp16), or on_nonfinite=skip: a step with any non-finite gradient leaves the state
         # bit-identical
         finite = all_finite(grads) if precision.loss_scaling or t.on_nonfinite == "skip" else None
         params, opt_state = _updated(optimizer, state, grads, finite, layout, t.offloads_optimizer)
+        if moe.experts and moe.balance == "bias":
+            moved = jax.tree_util.tree_map_with_path(lambda p, w, m: w + m if _is_bias(p) else w, params, bias_moves)
+            params = unless_skipped(finite, moved, params)
         if finite is not None:
             loss_scale = (loss_scale.update(finite, precision.loss_scale_window) if precision.loss_scaling
                           else loss_scale.count_skip(finite))
@@ -287,6 +294,16 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         return TrainState(state.step + 1, params, opt_state, loss_scale, stale), metrics
 
     return train_step
+
+
+def _is_bias(path) -> bool:
+    return "router_bias" in jax.tree_util.keystr(path)
+
+
+def _bias_move(path, grad: jax.Array, rate: float) -> jax.Array:
+    """Bias balancing (DeepSeek-V3): each expert's router bias moves by `rate` toward equal load,
+    down where the load was above the mean (the bias's gradient: jaxpar.model.moe.bias_balance_term)."""
+    return -rate * jnp.sign(grad) if _is_bias(path) else jnp.zeros_like(grad)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, precision: PrecisionPolicy, layout: Layout, pipeline: PipelinePlan):
