@@ -148,3 +148,38 @@ def test_moe_model_trains_and_samples_text(session_for):
     assert summary["final_loss"] < summary["first_loss"]
     # The sample is capped at one training sequence (model.seq_len=32 positions, prompt included).
     assert summary["sample"].startswith("The ") and len(summary["sample"].encode()) == 32
+
+
+# The experts of today's open models: SwiGLU, fine-grained (a quarter of d_ff), a shared expert,
+# sigmoid scores renormalised and scaled, bias balancing.
+MODERN = ("model.moe.experts=8", "model.moe.every=1", "model.moe.router=topk", "model.moe.noise=false",
+          "model.moe.mlp=swiglu", "model.moe.d_ff=64", "model.moe.shared=1", "model.moe.score=sigmoid",
+          "model.moe.routed_scale=2.5", "model.moe.balance=bias")
+MODERN_LAYOUTS = [("mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=3"),
+                  ("mesh.data=4", "mesh.expert=2", "train.grad_accum=2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MODERN_LAYOUTS, ids=" ".join)
+def test_modern_experts_match_single_device(layout, session_for):
+    result = verify(session_for("train.steps=3", *MODERN, *SMALL, *layout), log=lambda line: None)
+    assert result["ok"] and result["routing_changes"] == 0, result
+
+
+def test_bias_balancing_moves_each_bias_against_its_experts_load():
+    """One step on one MoE layer with room for every token: each expert's bias moves down by
+    bias_rate where its load was above the mean, up where below, and the loss has no balance term."""
+    import jax
+    import numpy as np
+
+    from jaxpar.train.checkpoint import flat_by_path
+
+    session, trainer = _trainer(*MODERN, "model.moe.every=2", "model.moe.capacity_factor=8", "mesh.data=8", *SMALL)
+    assert session.cfg.model.moe.aux_weight == 0.0
+    state, metrics = trainer.step(trainer.init(), trainer.put_batch(session.train_data.batch(0)))
+    load = np.asarray(metrics["moe_expert_tokens"])
+    assert load.sum() == session.cfg.train.batch_size * session.cfg.model.seq_len * 2  # every token, twice
+    biases = [v for k, v in flat_by_path(jax.device_get(state.params)).items() if "router_bias" in k]
+    rate = session.cfg.model.moe.bias_rate
+    assert len(biases) == 1 and np.array_equal(np.asarray(biases[0])[0],
+                                               (-rate * np.sign(load - load.mean())).astype(np.float32))

@@ -51,14 +51,19 @@ def _fill_in_order(choices: list[list[tuple[int, float]]], C: int):
     return dispatch, combine, kept
 
 
-def topk_loop(logits: np.ndarray, k: int, C: int):
+def topk_loop(logits: np.ndarray, k: int, C: int, score: str = "softmax", renormalize: bool = True,
+              bias: np.ndarray | None = None):
     dispatch, combine, kept = [], [], 0
     for group in logits:
         choices = []
         for row in group:
-            keys = _bf16(_softmax(row))
+            scores = 1 / (1 + np.exp(-row)) if score == "sigmoid" else _softmax(row)
+            keys = _bf16(scores if bias is None else scores + bias)
             best = sorted(range(E), key=lambda e: (-keys[e], e))[:k]
-            gates = _softmax(row[best])
+            if score == "softmax" and renormalize:
+                gates = _softmax(row[best])
+            else:
+                gates = scores[best] / (scores[best].sum() if renormalize else 1.0)
             choices.append(list(zip(best, gates)))
         d, c, n = _fill_in_order(choices, C)
         dispatch.append(d), combine.append(c)
@@ -118,10 +123,27 @@ def test_topk_without_noise_matches_the_loop(seed, ties, k, factor):
     logits = _logits(seed, ties)
     C = _capacity(S * k, factor)
     assert routers.capacity("topk", S, E, k, factor) == C
-    dispatch, combine, _, dropped = routers.noisy_topk(jnp.asarray(logits), None, None, k, C)
+    dispatch, combine, _, dropped, _ = routers.noisy_topk(jnp.asarray(logits), None, None, k, C)
     looped = topk_loop(logits, k, C)
     _close((dispatch, combine), looped)
     assert float(dropped) == pytest.approx(looped[2], abs=1e-6)
+
+
+@pytest.mark.parametrize("score, renormalize, biased", [("sigmoid", True, False), ("softmax", False, False),
+                                                       ("sigmoid", True, True), ("softmax", True, True)])
+def test_topk_scores_weights_and_bias_match_the_loop(score, renormalize, biased):
+    """Sigmoid scores (DeepSeek-V3), unnormalised weights (Qwen2-MoE), and a bias on the scores that
+    moves the choices but not the weights (bias balancing)."""
+    logits = _logits(6, None)
+    bias = np.linspace(-0.3, 0.3, E).astype(np.float32) if biased else None
+    C = _capacity(S * 2, 1.25)
+    routed = routers.noisy_topk(jnp.asarray(logits), None, None, 2, C, score, renormalize,
+                                None if bias is None else jnp.asarray(bias))
+    looped = topk_loop(logits, 2, C, score, renormalize, bias)
+    _close((routed.dispatch, routed.combine), looped)
+    assert float(routed.dropped) == pytest.approx(looped[2], abs=1e-6)
+    if biased:  # the bias changed some choice
+        assert not np.array_equal(looped[0], topk_loop(logits, 2, C, score, renormalize)[0])
 
 
 @pytest.mark.parametrize("seed, ties", [(0, None), (1, "exact"), (4, "experts")])
@@ -130,7 +152,7 @@ def test_switch_matches_the_loop_with_capacity_and_drop_order(seed, ties, factor
     logits = _logits(seed, ties)
     C = _capacity(S, factor)
     assert routers.capacity("switch", S, E, 1, factor) == C
-    dispatch, combine, _, dropped = routers.switch(jnp.asarray(logits), C)
+    dispatch, combine, _, dropped, _ = routers.switch(jnp.asarray(logits), C)
     looped = switch_loop(logits, C)
     _close((dispatch, combine), looped)
     assert float(dropped) == pytest.approx(looped[2], abs=1e-6)
@@ -143,7 +165,7 @@ def test_switch_matches_the_loop_with_capacity_and_drop_order(seed, ties, factor
 def test_expert_choice_matches_the_loop(seed, ties, factor):
     logits = _logits(seed, ties)
     C = _capacity(S, factor)
-    dispatch, combine, _, dropped = routers.expert_choice(jnp.asarray(logits), C)
+    dispatch, combine, _, dropped, _ = routers.expert_choice(jnp.asarray(logits), C)
     _close((dispatch, combine), expert_choice_loop(logits, C))
     assert dropped is None  # Expert Choice never overflows; the unrouted share is measured instead
 
