@@ -238,7 +238,7 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"model.moe.experts={moe.experts} is not divisible by mesh.expert={sizes['expert']}.")
     if moe.every <= 0 or m.n_layers % moe.every:
         raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by model.moe.every={moe.every}.")
-    if moe.router == "topk" and not 0 < moe.top_k <= moe.experts:
+    if moe.chooses_top_k and not 0 < moe.top_k <= moe.experts:
         raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.experts={moe.experts}.")
     if moe.capacity_factor <= 0:
         raise ConfigError(f"model.moe.capacity_factor must be positive, got {moe.capacity_factor}.")
@@ -263,8 +263,8 @@ def _validate_expert_shape(moe, m, tensor: int) -> None:
                           f"divisible by mesh.tensor={tensor}.")
     topk_only = {"score": moe.score != "softmax", "renormalize": not moe.renormalize, "balance": moe.balance != "aux"}
     chosen = [f"model.moe.{key}={getattr(moe, key)}" for key, set_ in topk_only.items() if set_]
-    if chosen and moe.router != "topk":
-        raise ConfigError(f"{chosen[0]} needs model.moe.router=topk, but the router is {moe.router} "
+    if chosen and not moe.chooses_top_k:
+        raise ConfigError(f"{chosen[0]} needs model.moe.router=topk or dropless, but the router is {moe.router} "
                           f"(Switch picks one expert by softmax, and Expert Choice fills every expert exactly).")
 
 

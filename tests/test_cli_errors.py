@@ -55,11 +55,12 @@ BAD_INPUTS = {
                                      "model.moe.capacity_factor must be positive"),
     "group size not dividing tokens per device": (["model.moe.experts=4", "model.moe.group_size=100"],
                                                   "model.moe.group_size=100 does not divide the 512 tokens per device"),
-    "bias balancing with switch": (["model.moe.experts=4", "model.moe.router=switch", "model.moe.balance=bias"],
-                                   "model.moe.balance=bias needs model.moe.router=topk, but the router is switch"),
+    "bias balancing with switch": (
+        ["model.moe.experts=4", "model.moe.router=switch", "model.moe.balance=bias"],
+        "model.moe.balance=bias needs model.moe.router=topk or dropless, but the router is switch"),
     "sigmoid scores with expert choice": (["model.moe.experts=4", "model.moe.router=expert_choice",
                                            "model.moe.score=sigmoid"],
-                                          "model.moe.score=sigmoid needs model.moe.router=topk"),
+                                          "model.moe.score=sigmoid needs model.moe.router=topk or dropless"),
     "expert width not divisible by tensor": (
         ["mesh.data=4", "mesh.tensor=2", "model.moe.experts=4", "model.moe.d_ff=63"],
         "the experts' width 63 (model.moe.d_ff, or model.d_ff when 0) is not divisible by mesh.tensor=2"),

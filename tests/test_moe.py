@@ -151,33 +151,41 @@ def test_moe_model_trains_and_samples_text(session_for):
 
 
 # The experts of today's open models: SwiGLU, fine-grained (a quarter of d_ff), a shared expert,
-# sigmoid scores renormalised and scaled, bias balancing.
-MODERN = ("model.moe.experts=8", "model.moe.every=1", "model.moe.router=topk", "model.moe.noise=false",
-          "model.moe.mlp=swiglu", "model.moe.d_ff=64", "model.moe.shared=1", "model.moe.score=sigmoid",
-          "model.moe.routed_scale=2.5", "model.moe.balance=bias")
-MODERN_LAYOUTS = [("mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=3"),
-                  ("mesh.data=4", "mesh.expert=2", "train.grad_accum=2")]
+# sigmoid scores renormalised and scaled, bias balancing; top-k into capacity slots, or dropless.
+MODERN = ("model.moe.experts=8", "model.moe.every=1", "model.moe.noise=false", "model.moe.mlp=swiglu",
+          "model.moe.d_ff=64", "model.moe.shared=1", "model.moe.score=sigmoid", "model.moe.routed_scale=2.5",
+          "model.moe.balance=bias")
+MODERN_LAYOUTS = [("topk", ("mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=3")),
+                  ("dropless", ("mesh.data=2", "mesh.expert=4")),
+                  ("dropless", ("mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=3")),
+                  ("dropless", ("mesh.data=2", "mesh.expert=2", "mesh.stage=2", "parallel.pipeline.schedule=1f1b",
+                                "parallel.pipeline.microbatches=4")),
+                  ("dropless", ("mesh.data=4", "mesh.expert=2", "train.grad_accum=2"))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", MODERN_LAYOUTS, ids=" ".join)
-def test_modern_experts_match_single_device(layout, session_for):
-    result = verify(session_for("train.steps=3", *MODERN, *SMALL, *layout), log=lambda line: None)
+@pytest.mark.parametrize("router, layout", MODERN_LAYOUTS, ids=[f"{r} {' '.join(o)}" for r, o in MODERN_LAYOUTS])
+def test_modern_experts_match_single_device(router, layout, session_for):
+    result = verify(session_for("train.steps=3", *MODERN, f"model.moe.router={router}", *SMALL, *layout),
+                    log=lambda line: None)
     assert result["ok"] and result["routing_changes"] == 0, result
 
 
-def test_bias_balancing_moves_each_bias_against_its_experts_load():
-    """One step on one MoE layer with room for every token: each expert's bias moves down by
-    bias_rate where its load was above the mean, up where below, and the loss has no balance term."""
+def test_dropless_drops_nothing_and_the_bias_moves_against_each_experts_load():
+    """One step of dropless routing over the expert axis: no token is left unrouted, every token's
+    k assignments are counted, and each expert's bias moves down by bias_rate where its load was
+    above the mean, up where below; the objective has no balance term."""
     import jax
     import numpy as np
 
     from jaxpar.train.checkpoint import flat_by_path
 
-    session, trainer = _trainer(*MODERN, "model.moe.every=2", "model.moe.capacity_factor=8", "mesh.data=8", *SMALL)
+    session, trainer = _trainer(*MODERN, "model.moe.router=dropless", "model.moe.every=2", "mesh.data=2",
+                                "mesh.expert=4", *SMALL)
     assert session.cfg.model.moe.aux_weight == 0.0
     state, metrics = trainer.step(trainer.init(), trainer.put_batch(session.train_data.batch(0)))
     load = np.asarray(metrics["moe_expert_tokens"])
+    assert float(metrics["moe_unrouted_fraction"]) == 0.0 and "moe_dropped_fraction" not in metrics
     assert load.sum() == session.cfg.train.batch_size * session.cfg.model.seq_len * 2  # every token, twice
     biases = [v for k, v in flat_by_path(jax.device_get(state.params)).items() if "router_bias" in k]
     rate = session.cfg.model.moe.bias_rate

@@ -33,6 +33,10 @@ class ModelHooks(Protocol):
 
     def expert_all_to_all(self, x_EGCD: jax.Array, inverse: bool) -> jax.Array: ...
 
+    def expert_gather(self, x: jax.Array, inverse: bool) -> jax.Array: ...
+
+    def expert_shard(self) -> jax.Array | int: ...
+
     def column_parallel(self, equation: str, x: jax.Array, w: jax.Array, names: tuple, out_dtype) -> jax.Array: ...
 
     def row_parallel(self, equation: str, h: jax.Array, w: jax.Array, names: tuple) -> jax.Array: ...
@@ -101,6 +105,19 @@ def expert_all_to_all(x_EGCD: jax.Array, inverse: bool) -> jax.Array:
     """Expert parallelism: (E, groups, C, D) -> (local experts, groups of every shard, C, D), or back."""
     hooks = _hooks.get()
     return x_EGCD if hooks is None else hooks.expert_all_to_all(x_EGCD, inverse)
+
+
+def expert_gather(x: jax.Array, inverse: bool) -> jax.Array:
+    """Dropless expert parallelism: every shard's tokens along axis 0 of x, or back (the sum over the
+    shards of each one's own rows)."""
+    hooks = _hooks.get()
+    return x if hooks is None else hooks.expert_gather(x, inverse)
+
+
+def expert_shard() -> jax.Array | int:
+    """Which block of E / mesh.expert experts this device holds (0 without expert parallelism)."""
+    hooks = _hooks.get()
+    return 0 if hooks is None else hooks.expert_shard()
 
 
 def column_parallel(equation: str, x: jax.Array, weight: nnx.Variable, x_names: tuple, out_names: tuple,

@@ -18,7 +18,8 @@ from flax import nnx
 
 import jaxpar.model.routers as routers
 from jaxpar.config import ModelConfig
-from jaxpar.model.axes import constrain, expert_all_to_all, param, zeros_param
+from jaxpar.model.axes import constrain, expert_all_to_all, expert_gather, expert_shard, param, zeros_param
+from jaxpar.model.dropless import dropless_experts
 from jaxpar.model.mlp import MLP
 
 
@@ -32,7 +33,7 @@ class MoE(nnx.Module):
         self.group_size, self.capacity_factor = moe.group_size, moe.capacity_factor
         self.score, self.renormalize, self.routed_scale = moe.score, moe.renormalize, moe.routed_scale
         self.w_router = param(rngs.params(), (D, E), ("embed", None), D ** -0.5)
-        self.w_noise = zeros_param((D, E), ("embed", None)) if moe.router == "topk" else None
+        self.w_noise = zeros_param((D, E), ("embed", None)) if moe.chooses_top_k else None
         self.gated = moe.mlp == "swiglu"
         if self.gated:  # slot 0: gate, slot 1: up (as the dense MLP)
             self.w_gate_up = param(rngs.params(), (E, D, 2, F), ("expert", "embed", None, "mlp"), D ** -0.5)
@@ -75,8 +76,11 @@ class MoE(nnx.Module):
                 noise_GNE = noise_BLE.reshape(G, N, E)
                 noise_scale_GNE = jnp.einsum("GND,DE->GNE", x32_GND, self.w_noise[...].astype(jnp.float32))
             bias_E = None if self.router_bias is None else self.router_bias[...].astype(jnp.float32)
-            routed = routers.noisy_topk(logits_GNE, noise_scale_GNE, noise_GNE, self.top_k, C, self.score,
-                                        self.renormalize, bias_E)
+            choices = routers.topk_choices(logits_GNE, noise_scale_GNE, noise_GNE, self.top_k, self.score,
+                                           self.renormalize, bias_E)
+            if self.router == "dropless":
+                return self._dropless(x_BLD, x_GND, logits_GNE, choices, places_BR)
+            routed = routers.into_slots(choices, E, C)
         dispatch, combine, balance, dropped = routed.dispatch, routed.combine, routed.balance, routed.dropped
         if self.routed_scale != 1.0:
             combine = combine * self.routed_scale
@@ -89,19 +93,49 @@ class MoE(nnx.Module):
         tokens_E = jnp.sum(dispatch, axis=(0, 1, 3))
         # The share of tokens no expert took (the residual alone carries them), from the dispatch itself.
         unrouted = jnp.mean((jnp.sum(dispatch, axis=(2, 3)) == 0).astype(jnp.float32))
-        chosen_E = routed.chosen_E
-        stats = {"aux": balance, "z": routers.z_loss(logits_GNE), "unrouted": unrouted, "expert_tokens": tokens_E,
-                 "max_load": jnp.max(chosen_E) / jnp.maximum(jnp.mean(chosen_E), 1e-9)}
+        stats = self._stats(balance, logits_GNE, unrouted, tokens_E, routed.chosen_E, dispatch, places_BR, L)
         if dropped is not None:
             stats["dropped"] = dropped
+        return self._with_shared(y_GND, x_BLD), stats
+
+    def _dropless(self, x_BLD, x_GND, logits_GNE, choices: routers.Choices, places_BR):
+        """Every assignment computed (jaxpar.model.dropless): no capacity, nothing dropped."""
+        G, N, D = x_GND.shape
+        x_TD, experts_TK, gates_TK = (expert_gather(a.reshape(G * N, *a.shape[2:]), inverse=False) for a in
+                                      (x_GND, choices.experts_GNK, choices.gates_GNK * self.routed_scale))
+        w_down = self.w_down[...]
+        first = expert_shard() * w_down.shape[0]  # the experts held here (all without expert parallelism)
+        y_TD = dropless_experts(x_TD, experts_TK, gates_TK, self._ragged_hidden, w_down, first)
+        y_TD = expert_gather(y_TD, inverse=True)
+        tokens_E = choices.chosen_E
+        chosen_GNKE = jax.nn.one_hot(choices.experts_GNK, logits_GNE.shape[-1])
+        taken_GNE = jnp.sum(chosen_GNKE, axis=2)
+        importance_GE = jnp.sum(chosen_GNKE * choices.gates_GNK[..., None], axis=(1, 2))
+        unrouted = jnp.mean((jnp.sum(taken_GNE, axis=-1) == 0).astype(jnp.float32))
+        stats = self._stats(choices.balance(importance_GE), logits_GNE, unrouted, tokens_E, choices.chosen_E,
+                            taken_GNE[..., None], places_BR, x_BLD.shape[1])
+        return self._with_shared(y_TD.reshape(G, N, D), x_BLD), stats
+
+    def _stats(self, balance, logits_GNE, unrouted, tokens_E, chosen_E, dispatch_GNEC, places_BR, L) -> dict:
+        stats = {"aux": balance, "z": routers.z_loss(logits_GNE), "unrouted": unrouted, "expert_tokens": tokens_E,
+                 "max_load": jnp.max(chosen_E) / jnp.maximum(jnp.mean(chosen_E), 1e-9)}
         if places_BR is not None:
-            stats["routing_codes"] = routing_codes(dispatch, places_BR, L)
+            stats["routing_codes"] = routing_codes(dispatch_GNEC, places_BR, L)
         if self.router_bias is not None:
             stats["bias_term"] = bias_balance_term(self.router_bias[...], chosen_E)
-        y_BLD = constrain(y_GND.reshape(B, L, D), ("batch", "residual_seq", "embed"))
-        if self.shared is not None:
-            y_BLD = y_BLD + self.shared(x_BLD)
-        return y_BLD, stats
+        return stats
+
+    def _with_shared(self, y_GND: jax.Array, x_BLD: jax.Array) -> jax.Array:
+        y_BLD = constrain(y_GND.reshape(x_BLD.shape), ("batch", "residual_seq", "embed"))
+        return y_BLD if self.shared is None else y_BLD + self.shared(x_BLD)
+
+    def _ragged_hidden(self, x_AD: jax.Array, sizes_E: jax.Array) -> jax.Array:
+        """_expert_hidden on rows sorted by expert (sizes_E rows each), as grouped matmuls."""
+        if self.gated:
+            w = self.w_gate_up[...]
+            return (jax.nn.silu(jax.lax.ragged_dot(x_AD, w[:, :, 0], sizes_E))
+                    * jax.lax.ragged_dot(x_AD, w[:, :, 1], sizes_E))
+        return jax.nn.gelu(jax.lax.ragged_dot(x_AD, self.w_up[...], sizes_E))
 
     def _expert_hidden(self, x_EGCD: jax.Array) -> jax.Array:
         """Each expert's hidden activations: gelu(x W_up), or silu(x W_gate) * (x W_up)."""

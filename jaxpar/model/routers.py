@@ -78,8 +78,20 @@ def switch(logits_GNE: jax.Array, C: int):
     return Routed(dispatch, combine, balance, dropped, jnp.sum(chosen_GNE, axis=(0, 1)))
 
 
-def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_GNE: jax.Array | None,
-               k: int, C: int, score: str = "softmax", renormalize: bool = True, bias_E: jax.Array | None = None):
+class Choices(NamedTuple):
+    """Top-k's choices before any capacity: each token's k experts and their weights."""
+    experts_GNK: jax.Array
+    gates_GNK: jax.Array
+    load_GE: jax.Array  # the balance loss's load: the smooth estimate under noise, else the counts
+    chosen_E: jax.Array
+
+    def balance(self, importance_GE: jax.Array) -> jax.Array:
+        """The auxiliary loss: CV^2 of importance (the gates each expert received) plus CV^2 of load."""
+        return _cv_squared(importance_GE) + _cv_squared(self.load_GE)
+
+
+def topk_choices(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_GNE: jax.Array | None,
+                 k: int, score: str = "softmax", renormalize: bool = True, bias_E: jax.Array | None = None) -> Choices:
     """Noisy top-k gating (Shazeer et al. 2017): H = logits + N(0,1) * softplus(noise logits); keep
     the top k of H, softmax over them. Auxiliary loss: CV^2 of importance (sum of gates) plus
     CV^2 of load (the smooth probability of each expert being in the top k).
@@ -102,8 +114,6 @@ def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_G
         gates_GNK = jnp.take_along_axis(scores_GNE, choices_GNK, axis=-1)
         if renormalize:
             gates_GNK = gates_GNK / jnp.sum(gates_GNK, axis=-1, keepdims=True)
-    dispatch, combine, dropped = _dispatch_from_choices(choices_GNK, gates_GNK, E, C)
-    importance_GE = jnp.sum(combine, axis=(1, 3))
     chosen_GE = jnp.sum(jax.nn.one_hot(choices_GNK, E), axis=(1, 2))
     if noise_GNE is not None and k < E:
         # P(expert e stays in the top k if its noise were redrawn): the paper's smooth load estimator
@@ -113,8 +123,22 @@ def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_G
         load_GE = jnp.sum(norm.cdf((logits_GNE - threshold_GNE) / stddev_GNE), axis=1)
     else:
         load_GE = chosen_GE
-    return Routed(dispatch, combine, _cv_squared(importance_GE) + _cv_squared(load_GE), dropped,
-                  jnp.sum(chosen_GE, axis=0))
+    return Choices(choices_GNK, gates_GNK, load_GE, jnp.sum(chosen_GE, axis=0))
+
+
+def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_GNE: jax.Array | None,
+               k: int, C: int, score: str = "softmax", renormalize: bool = True,
+               bias_E: jax.Array | None = None) -> Routed:
+    """Top-k's choices (topk_choices) into C slots per expert, overflow dropped."""
+    choices = topk_choices(logits_GNE, noise_scale_GNE, noise_GNE, k, score, renormalize, bias_E)
+    return into_slots(choices, logits_GNE.shape[-1], C)
+
+
+def into_slots(choices: Choices, E: int, C: int) -> Routed:
+    """Top-k's choices into C slots per expert (all first choices before second choices), overflow dropped."""
+    dispatch, combine, dropped = _dispatch_from_choices(choices.experts_GNK, choices.gates_GNK, E, C)
+    importance_GE = jnp.sum(combine, axis=(1, 3))  # the gates of kept assignments
+    return Routed(dispatch, combine, choices.balance(importance_GE), dropped, choices.chosen_E)
 
 
 def selection_key(scores: jax.Array) -> jax.Array:

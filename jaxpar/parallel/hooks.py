@@ -133,6 +133,12 @@ class PartitionerHooks(_Hooks):
     def expert_all_to_all(self, x_EGCD: jax.Array, inverse: bool) -> jax.Array:
         return x_EGCD  # experts are only split by hand (the batch axes are manual with mesh.expert > 1)
 
+    def expert_gather(self, x: jax.Array, inverse: bool) -> jax.Array:
+        return x
+
+    def expert_shard(self) -> int:
+        return 0
+
     def _sharding(self, spec: PartitionSpec):
         # Inside a pipeline's shard_map (manual over `stage`), a bare spec of the automatic axes.
         if self._in_shard_map:
@@ -180,6 +186,18 @@ class ManualHooks(_Hooks):
             return x_EGCD
         split, concat = (1, 0) if inverse else (0, 1)
         return jax.lax.all_to_all(x_EGCD, "expert", split, concat, tiled=True)
+
+    def expert_gather(self, x: jax.Array, inverse: bool) -> jax.Array:
+        """Every `expert` shard's rows (all-gather), or each shard's own rows summed over the shards
+        (reduce-scatter): dropless routing's token exchange, whose buffers are fixed by the shapes."""
+        if self.layout.sizes.get("expert", 1) == 1:
+            return x
+        if inverse:
+            return jax.lax.psum_scatter(x, "expert", scatter_dimension=0, tiled=True)
+        return jax.lax.all_gather(x, "expert", axis=0, tiled=True)
+
+    def expert_shard(self) -> jax.Array | int:
+        return jax.lax.axis_index("expert") if self.layout.sizes.get("expert", 1) > 1 else 0
 
     def differentiated(self, params):
         """ZeRO-2: this device's slice of each replicated weight (a local slice, no communication);

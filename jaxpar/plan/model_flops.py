@@ -17,9 +17,10 @@ def _param_leaves(cfg):
 
 def active_params(cfg) -> int:
     """Parameters one token uses: all of a dense model; in an MoE layer, the router and the
-    top-k experts (top-1 for Switch and, on average, capacity_factor for Expert Choice) of E."""
+    top-k experts (topk and dropless; top-1 for Switch and, on average, capacity_factor for Expert Choice) of E."""
     moe = cfg.model.moe
-    per_token = {"topk": moe.top_k, "switch": 1, "expert_choice": moe.capacity_factor}[moe.router]
+    per_token = (moe.top_k if moe.chooses_top_k else
+                 {"switch": 1, "expert_choice": moe.capacity_factor}[moe.router])
     return int(sum(size * (per_token / moe.experts if "expert" in names else 1)
                    for _, size, names in _param_leaves(cfg)))
 

@@ -249,7 +249,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     (state.stale_params) and applied to the current ones.
     """
     t, moe = cfg.train, cfg.model.moe
-    noisy = bool(moe.experts) and moe.noise and moe.router == "topk"
+    noisy = bool(moe.experts) and moe.noise and moe.chooses_top_k
     grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision)
     # Statistics are means over the traced batch of one microbatch; token counts scale to the step.
     traced_batches = layout.manual_batch_ways * (t.grad_accum if pipeline.table is None
