@@ -87,7 +87,8 @@ class MoE(nnx.Module):
         dtype = x_BLD.dtype
         x_EGCD = jnp.einsum("GNEC,GND->EGCD", dispatch.astype(dtype), x_GND)
         x_EGCD = expert_all_to_all(x_EGCD, inverse=False)  # local experts, every shard's groups
-        y_EGCD = jnp.einsum("EGCF,EFD->EGCD", self._expert_hidden(x_EGCD), self.w_down[...])
+        h_EGCF = self._hidden(lambda w_EDF: jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_EDF))
+        y_EGCD = jnp.einsum("EGCF,EFD->EGCD", h_EGCF, self.w_down[...])
         y_EGCD = expert_all_to_all(y_EGCD, inverse=True)  # back to the shard that owns the groups
         y_GND = jnp.einsum("GNEC,EGCD->GND", combine.astype(dtype), y_EGCD)
         tokens_E = jnp.sum(dispatch, axis=(0, 1, 3))
@@ -105,14 +106,13 @@ class MoE(nnx.Module):
                                       (x_GND, choices.experts_GNK, choices.gates_GNK * self.routed_scale))
         w_down = self.w_down[...]
         first = expert_shard() * w_down.shape[0]  # the experts held here (all without expert parallelism)
-        y_TD = dropless_experts(x_TD, experts_TK, gates_TK, self._ragged_hidden, w_down, first)
-        y_TD = expert_gather(y_TD, inverse=True)
-        tokens_E = choices.chosen_E
+        hidden = lambda x_AD, sizes_E: self._hidden(lambda w_EDF: jax.lax.ragged_dot(x_AD, w_EDF, sizes_E))  # noqa: E731
+        y_TD = expert_gather(dropless_experts(x_TD, experts_TK, gates_TK, hidden, w_down, first), inverse=True)
         chosen_GNKE = jax.nn.one_hot(choices.experts_GNK, logits_GNE.shape[-1])
         taken_GNE = jnp.sum(chosen_GNKE, axis=2)
         importance_GE = jnp.sum(chosen_GNKE * choices.gates_GNK[..., None], axis=(1, 2))
         unrouted = jnp.mean((jnp.sum(taken_GNE, axis=-1) == 0).astype(jnp.float32))
-        stats = self._stats(choices.balance(importance_GE), logits_GNE, unrouted, tokens_E, choices.chosen_E,
+        stats = self._stats(choices.balance(importance_GE), logits_GNE, unrouted, choices.chosen_E, choices.chosen_E,
                             taken_GNE[..., None], places_BR, x_BLD.shape[1])
         return self._with_shared(y_TD.reshape(G, N, D), x_BLD), stats
 
@@ -129,21 +129,13 @@ class MoE(nnx.Module):
         y_BLD = constrain(y_GND.reshape(x_BLD.shape), ("batch", "residual_seq", "embed"))
         return y_BLD if self.shared is None else y_BLD + self.shared(x_BLD)
 
-    def _ragged_hidden(self, x_AD: jax.Array, sizes_E: jax.Array) -> jax.Array:
-        """_expert_hidden on rows sorted by expert (sizes_E rows each), as grouped matmuls."""
+    def _hidden(self, matmul) -> jax.Array:
+        """Each expert's hidden activations, gelu(x W_up) or silu(x W_gate) * (x W_up), where
+        matmul(w_EDF) multiplies the tokens by every expert's weight (dense slots or sorted rows)."""
         if self.gated:
             w = self.w_gate_up[...]
-            return (jax.nn.silu(jax.lax.ragged_dot(x_AD, w[:, :, 0], sizes_E))
-                    * jax.lax.ragged_dot(x_AD, w[:, :, 1], sizes_E))
-        return jax.nn.gelu(jax.lax.ragged_dot(x_AD, self.w_up[...], sizes_E))
-
-    def _expert_hidden(self, x_EGCD: jax.Array) -> jax.Array:
-        """Each expert's hidden activations: gelu(x W_up), or silu(x W_gate) * (x W_up)."""
-        if self.gated:
-            gate_up_EGCQF = jnp.einsum("EGCD,EDQF->EGCQF", x_EGCD, self.w_gate_up[...])
-            return jax.nn.silu(gate_up_EGCQF[..., 0, :]) * gate_up_EGCQF[..., 1, :]
-        return jax.nn.gelu(jnp.einsum("EGCD,EDF->EGCF", x_EGCD, self.w_up[...]))
-
+            return jax.nn.silu(matmul(w[:, :, 0])) * matmul(w[:, :, 1])
+        return jax.nn.gelu(matmul(self.w_up[...]))
 
 def routing_codes(dispatch_GNEC: jax.Array, places_BR: jax.Array, L: int) -> jax.Array:
     """A small integer per token of the whole batch (R rows x L positions) that names the set of
@@ -161,6 +153,6 @@ def routing_codes(dispatch_GNEC: jax.Array, places_BR: jax.Array, L: int) -> jax
 def bias_balance_term(bias_E: jax.Array, chosen_E: jax.Array) -> jax.Array:
     """Zero, whose gradient with respect to the bias is each expert's load above the mean: summed
     over microbatches and devices like any gradient, its sign is the whole batch's, the same on
-    every layout. The step moves the bias against that sign (jaxpar.train.step.move_router_biases)."""
+    every layout. The train step moves the bias against that sign (jaxpar.train.step)."""
     excess_E = jax.lax.stop_gradient(chosen_E - jnp.mean(chosen_E))
     return jnp.sum(excess_E * (bias_E - jax.lax.stop_gradient(bias_E)))

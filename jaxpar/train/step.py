@@ -250,6 +250,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     """
     t, moe = cfg.train, cfg.model.moe
     noisy = bool(moe.experts) and moe.noise and moe.chooses_top_k
+    balances_by_bias = bool(moe.experts) and moe.balance == "bias"
     grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision)
     # Statistics are means over the traced batch of one microbatch; token counts scale to the step.
     traced_batches = layout.manual_batch_ways * (t.grad_accum if pipeline.table is None
@@ -266,16 +267,17 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, row_inputs(tokens_BT, rows_B, places_BR)),
                                  scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
-        if moe.experts and moe.balance == "bias":  # the biases move by their own rule, not the optimizer's
-            bias_moves = jax.tree_util.tree_map_with_path(lambda p, g: _bias_move(p, g, moe.bias_rate), grads)
-            grads = jax.tree_util.tree_map_with_path(lambda p, g: jnp.zeros_like(g) if _is_bias(p) else g, grads)
+        if balances_by_bias:  # the biases move by their own rule; the optimizer sees zero gradients for them
+            bias_grads, grads = grads, jax.tree_util.tree_map_with_path(
+                lambda p, g: jnp.zeros_like(g) if _is_bias(p) else g, grads)
         loss_scale = state.loss_scale
         # loss scaling (fp16), or on_nonfinite=skip: a step with any non-finite gradient leaves the state
         # bit-identical
         finite = all_finite(grads) if precision.loss_scaling or t.on_nonfinite == "skip" else None
         params, opt_state = _updated(optimizer, state, grads, finite, layout, t.offloads_optimizer)
-        if moe.experts and moe.balance == "bias":
-            moved = jax.tree_util.tree_map_with_path(lambda p, w, m: w + m if _is_bias(p) else w, params, bias_moves)
+        if balances_by_bias:
+            moved = jax.tree_util.tree_map_with_path(
+                lambda p, w, g: w - moe.bias_rate * jnp.sign(g) if _is_bias(p) else w, params, bias_grads)
             params = unless_skipped(finite, moved, params)
         if finite is not None:
             loss_scale = (loss_scale.update(finite, precision.loss_scale_window) if precision.loss_scaling
@@ -297,13 +299,10 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
 
 
 def _is_bias(path) -> bool:
+    """A router bias of bias balancing (DeepSeek-V3): after each step it moves by bias_rate toward
+    equal load, down where the load was above the mean, its gradient's sign
+    (jaxpar.model.moe.bias_balance_term)."""
     return "router_bias" in jax.tree_util.keystr(path)
-
-
-def _bias_move(path, grad: jax.Array, rate: float) -> jax.Array:
-    """Bias balancing (DeepSeek-V3): each expert's router bias moves by `rate` toward equal load,
-    down where the load was above the mean (the bias's gradient: jaxpar.model.moe.bias_balance_term)."""
-    return -rate * jnp.sign(grad) if _is_bias(path) else jnp.zeros_like(grad)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, precision: PrecisionPolicy, layout: Layout, pipeline: PipelinePlan):
