@@ -107,7 +107,8 @@ def check_restart_flags(restarts: int, elastic: bool, fewest: int | None, regrow
                  "--health-check": health_check is not None}
     named = " and ".join(flag for flag, given in shrinking.items() if given)
     if named and not elastic:
-        raise ConfigError(f"{named} leave processes out of a run and take them back; add --elastic.")
+        leave, take = ("leave", "take") if " and " in named else ("leaves", "takes")
+        raise ConfigError(f"{named} {leave} processes out of a run and {take} them back; add --elastic.")
     if (elastic or restarts) and cfg is None:
         raise ConfigError("--restarts and --elastic restart training runs; give them a train command after '--'.")
     if elastic and not restarts:

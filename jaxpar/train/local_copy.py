@@ -91,9 +91,9 @@ class LocalCopies:
                 if index in seen:  # replicas on this process's devices: one copy is enough
                     continue
                 seen.add(index)
-                data = np.ascontiguousarray(jax.device_get(shard.data))
+                data = np.asarray(jax.device_get(shard.data), order="C")  # (ascontiguousarray makes a scalar 1-d)
                 entries.append([key, index, str(data.dtype), list(data.shape), offset, data.nbytes])
-                pieces.append(data.view(np.uint8).reshape(-1))
+                pieces.append(data.reshape(-1).view(np.uint8))
                 offset += data.nbytes
         header = json.dumps({"meta": meta, "processes": self.processes, "arrays": entries}).encode()
         return [_HEADER.pack(len(header)), header, *pieces]
