@@ -402,3 +402,33 @@ def test_the_jobset_manifest_has_what_a_jobset_needs():
     host, port = env["JAXPAR_COORDINATOR"]["value"].rsplit(":", 1)
     name = manifest["metadata"]["name"]
     assert host == f"{name}-{workers['name']}-0-0.{name}" and port.isdigit()
+
+
+def test_an_elastic_start_keeps_the_configs_mesh_when_it_fits_and_else_takes_the_planners_layout(
+        tmp_path, monkeypatch, capsys):
+    import jax
+
+    from jaxpar.plan import replan as replan_module
+
+    (tmp_path / "elastic.json").write_text(json.dumps({"rows_per_device": 2, "devices": 8}))
+    base = Config().replace(**{"train.batch_size": 16, "run.dir": str(tmp_path)})
+    fits, searched = [True], []
+    monkeypatch.setattr(replan_module, "_fits", lambda layout, devices, budget: fits[0])
+    best = {"mesh.data": 2, "mesh.tensor": 2, "train.grad_accum": 4}
+    monkeypatch.setattr(replan_module, "_planned",
+                        lambda cfg, devices, budget: searched.append(len(devices)) or (best, "data=2 tensor=2"))
+    four = jax.devices()[:4]
+
+    kept = replan_module.replan(base, four)  # mesh.data=-1: data=4, and grad_accum=2 keeps 2 rows a device
+    assert (kept.mesh.data, kept.train.grad_accum, searched) == (-1, 2, [])
+    assert capsys.readouterr().err == ("jaxpar: elastic: on 4 devices, train.grad_accum=2 (the config's mesh, the "
+                                       "global batch of 16 at 2 rows a device).\n")
+    written = base.replace(**{"mesh.data": 2, "mesh.tensor": 4})  # 8 devices as written
+    planned = replan_module.replan(written, four)
+    assert (planned.mesh.data, planned.mesh.tensor, planned.train.grad_accum, searched) == (2, 2, 4, [4])
+    assert "mesh.data=2 mesh.tensor=4 mesh.expert=1 mesh.stage=1 does not lay out on 4 devices, so the planner's " \
+           "best layout that fits: data=2 tensor=2" in capsys.readouterr().err
+    fits[0] = False  # the config's mesh lays out, but over the memory budget
+    assert replan_module.replan(base, four).train.grad_accum == 4 and searched == [4, 4]
+    assert "does not fit" in capsys.readouterr().err
+    assert replan_module.replan(base, jax.devices()) == base.replace(**{"train.grad_accum": 1})  # as recorded
