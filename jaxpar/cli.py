@@ -35,12 +35,13 @@ def _load(args: list[str], extra: dict | None = None):
 
 def cmd_train(args: argparse.Namespace) -> int:
     started = time.time()  # the process's start, for goodput: device setup and restore are part of a (re)start
-    from jaxpar.plan.replan import prepare_elastic
-    from jaxpar.session import prepare
-
     cfg = _load(args.settings, {"run.elastic": True} if args.elastic else None)
-    session = prepare_elastic(cfg) if cfg.run.elastic else prepare(cfg)
-    from jaxpar.train.goodput import describe
+    if cfg.run.elastic:  # the devices first, then the layout for them
+        from jaxpar.plan.replan import prepare_elastic as prepare
+    else:
+        from jaxpar.session import prepare
+    session = prepare(cfg)
+    from jaxpar.goodput import describe
     from jaxpar.train.loop import NonFiniteLoss, train
 
     try:

@@ -6,7 +6,7 @@ that doubles each time (`--backoff`, at most BACKOFF_CAP_S). Any other failure (
 bug, a user mistake) would only repeat, so it ends the launcher as before. Each restart is one line
 of output and one row of <run.dir>/events.jsonl: when, why, the attempt, the processes and devices it
 goes on with, the step it resumed from, the steps lost, where the state came from and the layout
-(the last four read from the restarted run's own timeline, jaxpar.train.goodput).
+(the last four read from the restarted run's own timeline, jaxpar.goodput).
 
 With `--elastic` a slot (a process and its devices) is left out when its health check fails
 (`--health-check CMD`, run with JAXPAR_SLOT set; exit 0 is healthy) or when its process was the first
@@ -29,8 +29,8 @@ from pathlib import Path
 
 from jaxpar import distributed
 from jaxpar.errors import EXIT_LOST
+from jaxpar.goodput import TIMELINE
 from jaxpar.launch import describe, say, start, watch
-from jaxpar.train.goodput import TIMELINE
 
 BACKOFF_CAP_S = 60.0
 HEALTH_CHECK_TIMEOUT_S = 60.0

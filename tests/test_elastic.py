@@ -24,7 +24,7 @@ from test_docs import fenced_blocks
 
 from jaxpar.config import Config, ConfigError
 from jaxpar.elastic import keep_rows, rows_per_device
-from jaxpar.train.goodput import current_job, goodput
+from jaxpar.goodput import current_job, goodput
 from jaxpar.train.local_copy import run_folder
 
 REPO = Path(__file__).resolve().parent.parent

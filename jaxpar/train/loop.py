@@ -22,9 +22,9 @@ from jaxpar.data.sources import token_source
 from jaxpar.data.token_folder import is_token_folder
 from jaxpar.distributed import ENV_ATTEMPT, StopAgreement, is_secondary
 from jaxpar.elastic import record_rows
+from jaxpar.goodput import Timeline, current_job, goodput, read_rows
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
-from jaxpar.train.goodput import Timeline, current_job, goodput, read_rows
 from jaxpar.train.local_copy import LocalCopies
 from jaxpar.train.report import append_jsonl, read_jsonl, write_json_atomic, write_jsonl_atomic
 from jaxpar.train.sample import sample_text

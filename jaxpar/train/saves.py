@@ -1,15 +1,15 @@
 """Every save a run makes, timed: the shared checkpoint every checkpoint.every steps (and when the run
 stops), the in-memory copy every checkpoint.local_every steps, and the resume that reads the newer of
 the two. What a save holds training for is a `save` row of the timeline, and it is left out of the
-next step's time (jaxpar.train.goodput)."""
+next step's time (jaxpar.goodput)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
+from jaxpar.goodput import Timeline
 from jaxpar.train.checkpoint import Checkpoints, Restored, state_spec
-from jaxpar.train.goodput import Timeline
 from jaxpar.train.local_copy import LocalCopies
 
 
