@@ -149,6 +149,7 @@ class Supervisor:
         while True:
             live = self._live()
             if len(live) < self.policy.min_processes or not live:
+                self._close_pending()
                 say(self.lock, f"only {len(live)} of {len(self.slots)} process slots are healthy, fewer than "
                                f"--min-processes {self.policy.min_processes}; the run stops here.")
                 return 1
