@@ -253,11 +253,14 @@ def _report(lock: threading.Lock, index: int, rc: int, pair: list, lost: int | N
     if rc == EXIT_USAGE:
         return  # a user mistake: process 0 has said what to change
     after = f" after process {lost} was lost" if lost is not None and (rc < 0 or rc == EXIT_LOST) else ""
-    say(lock, f"process {index} {describe(rc, pair)}{after}.")
+    say(lock, f"process {index} {_describe(rc)}{after}{_runtime_said(pair)}.")
 
 
 def describe(rc: int, pair: list) -> str:
     """'was killed by SIGKILL', 'exited with code 3 (the JAX runtime said: ...)'."""
+    return f"{_describe(rc)}{_runtime_said(pair)}"
+
+
+def _runtime_said(pair: list) -> str:
     fatal = next((s.fatal for s in pair if s.fatal), None)
-    cause = f" (the JAX runtime said: {fatal.split('. ')[0].rstrip('.')})" if fatal else ""
-    return f"{_describe(rc)}{cause}"
+    return f" (the JAX runtime said: {fatal.split('. ')[0].rstrip('.')})" if fatal else ""
