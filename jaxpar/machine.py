@@ -3,8 +3,9 @@ matmul rates it reaches, measured when asked. Machines of the same kind differ (
 AVX-512 BF16 runs a bf16 matmul 1.8x faster than fp32, one without it slower), so every benchmark
 table, JSON line and training summary carries this record.
 
-    python -m jaxpar.machine     prints the record as one JSON line (benchmarks/peer_maxtext.py,
-                                 which runs without jax, asks jaxpar's interpreter for it)
+    python -m jaxpar.machine     prints the record and its line as one JSON line
+                                 (benchmarks/peer_maxtext.py, which runs without jax, asks
+                                 jaxpar's interpreter for it)
 
 The rates are of one MATMUL_SIZE^3 matmul on one device, the median of a few after a compile: on a
 CPU the emulated devices share the cores, so that is the rate of the whole machine. A GPU's record
@@ -100,5 +101,6 @@ def line(record: dict) -> str:
 
 
 if __name__ == "__main__":
-    print(json.dumps(describe()))
+    found = describe()
+    print(json.dumps({**found, "line": line(found)}))
     sys.exit(0)
