@@ -209,7 +209,8 @@ def _validate_offload_and_local_sgd(cfg: Config, sizes: dict[str, int]) -> None:
 
 def check_model_fits(block_model: bool, model_name: str, cfg: Config, sizes: dict[str, int]) -> None:
     """What a model without the block protocol (jaxpar.model.protocol: embed, run_blocks and logits
-    around stacked layers) cannot do: anything that needs its layers one by one."""
+    around stacked layers) cannot do: anything that needs its layers one by one, or its logits from
+    its last hidden states (train.loss_chunks)."""
     if block_model:
         return
     per_layer = {"mesh.stage > 1": sizes["stage"] > 1, f"train.remat={cfg.train.remat}": cfg.train.remat != "none",
@@ -217,9 +218,9 @@ def check_model_fits(block_model: bool, model_name: str, cfg: Config, sizes: dic
                  f"train.loss_chunks={cfg.train.loss_chunks}": cfg.train.loss_chunks != 1}
     asked = [key for key, on in per_layer.items() if on]
     if asked:
-        raise ConfigError(f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''} the model in parts (its layers "
-                          f"one by one, its logits apart), but {model_name} does not implement jaxpar's block "
-                          f"protocol (STACKED_AT, embed, run_blocks, logits, stacked_layers: jaxpar.model.protocol).")
+        raise ConfigError(f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''} the model's layers one by one "
+                          f"and its logits apart, but {model_name} does not implement jaxpar's block protocol "
+                          f"(STACKED_AT, embed, run_blocks, logits, stacked_layers: jaxpar.model.protocol).")
 
 
 def check_attention_platform(cfg: Config, platform: str) -> None:
