@@ -172,7 +172,7 @@ def _fp32_matmul_share(trainer) -> float:
     return flops["f32"] / (flops["f32"] + flops["other"])
 
 
-@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("chunks", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_bf16_step_runs_the_output_projection_backward_in_bf16(session_for, chunks):
     """A model whose step is mostly the output projection (vocabulary 4096, width 64): its fp32 logits'
     gradient re-enters the backward matmuls in bf16 (the policy's output_grad), so next to no matmul
