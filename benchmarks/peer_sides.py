@@ -188,23 +188,46 @@ def _last_error(log: Path) -> str:
     return picked if len(picked) <= 300 else picked[:297] + "..."
 
 
-def jaxpar_command(python: str, layout: Layout, steps: int, run_dir: Path) -> list[str]:
+PRECISIONS = {"bf16": "bfloat16", "fp32": "float32"}  # jaxpar's train.precision -> MaxText's dtype
+
+
+def jaxpar_model(layout: Layout) -> dict:
+    """jaxpar's settings of the benchmark shape on `layout` (what model FLOPs depend on)."""
+    return {"model.vocab_size": VOCAB, "model.d_model": D_MODEL, "model.n_heads": layout.heads,
+            "model.n_layers": LAYERS, "model.d_ff": JAXPAR_D_FF, "model.seq_len": SEQ,
+            "model.tie_embeddings": "false", "model.positions": "rope"}
+
+
+def jaxpar_command(python: str, layout: Layout, steps: int, run_dir: Path, precision: str = "bf16") -> list[str]:
     """`jaxpar train` on the benchmark shape and `layout`, logging every step to run_dir/metrics.jsonl."""
     settings = {
-        "model.vocab_size": VOCAB, "model.d_model": D_MODEL, "model.n_heads": layout.heads,
-        "model.n_layers": LAYERS, "model.d_ff": JAXPAR_D_FF, "model.seq_len": SEQ, "model.tie_embeddings": "false",
-        "model.positions": "rope", "mesh.expert": 1, "mesh.tensor": 1, "mesh.stage": 1,
-        "train.batch_size": BATCH, "train.precision": "bf16", "train.remat": "full",
+        **jaxpar_model(layout), "mesh.expert": 1, "mesh.tensor": 1, "mesh.stage": 1,
+        "train.batch_size": BATCH, "train.precision": precision, "train.remat": "full",
         "train.steps": steps, "train.log_every": 1, "train.eval_batches": 1, "train.sample_tokens": 0,
         "checkpoint.every": 0, "run.dir": str(run_dir), **layout.jaxpar,
     }
     return [python, "-m", "jaxpar", "train", *(f"{k}={v}" for k, v in settings.items()), "--no-progress"]
 
 
-def run_jaxpar(python: str, layout: Layout, steps: int, skip: int, work: Path, timeout: float) -> float:
+def jaxpar_facts(python: str, layout: Layout) -> tuple[dict, float]:
+    """(the machine's record, jaxpar.machine: its processor, native bf16 and matmul rates, measured now;
+    the model FLOPs per token of the shape, jaxpar.plan.model_flops), from jaxpar's interpreter."""
+    facts = []
+    for module, args in (("jaxpar.machine", []), ("jaxpar.plan.model_flops",
+                                                  [f"{k}={v}" for k, v in jaxpar_model(layout).items()])):
+        done = subprocess.run([python, "-m", module, *args], capture_output=True, text=True, env=_env(), cwd=REPO,
+                              timeout=600)
+        if done.returncode != 0:
+            raise SystemExit(f"peer_maxtext: {python} -m {module} failed: {done.stderr.strip()[-300:]}")
+        facts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return facts[0], facts[1]["flops_per_token"]
+
+
+def run_jaxpar(python: str, layout: Layout, steps: int, skip: int, work: Path, timeout: float,
+               precision: str = "bf16") -> float:
     """Median tokens/s of one `jaxpar train` run, from step_time_s in metrics.jsonl."""
     run_dir = work / "run"
-    _run(jaxpar_command(python, layout, steps, run_dir), work / "jaxpar.log", timeout, cwd=REPO)
+    _run(jaxpar_command(python, layout, steps, run_dir, precision), work / "jaxpar.log", timeout, cwd=REPO)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise BenchFailed(f"jaxpar wrote no {metrics}")
@@ -216,7 +239,8 @@ def run_jaxpar(python: str, layout: Layout, steps: int, skip: int, work: Path, t
     return _tokens_per_s(seconds, steps, skip, "jaxpar")
 
 
-def maxtext_command(python: Path, base_yml: Path, layout: Layout, steps: int, out_dir: Path) -> list[str]:
+def maxtext_command(python: Path, base_yml: Path, layout: Layout, steps: int, out_dir: Path,
+                    precision: str = "bf16") -> list[str]:
     """MaxText's pre-training entry point on the benchmark shape and `layout`, synthetic data, no checkpoints."""
     settings = {
         "run_name": "peer", "base_output_directory": str(out_dir),
@@ -226,7 +250,7 @@ def maxtext_command(python: Path, base_yml: Path, layout: Layout, steps: int, ou
         "base_emb_dim": D_MODEL, "base_num_query_heads": layout.heads, "base_num_kv_heads": layout.heads,
         "base_mlp_dim": MAXTEXT_MLP_DIM, "base_num_decoder_layers": LAYERS, "head_dim": layout.head_dim,
         "vocab_size": VOCAB, "max_target_length": SEQ, "per_device_batch_size": BATCH // DEVICES,
-        "steps": steps, "dtype": "bfloat16", "remat_policy": "full", **layout.maxtext,
+        "steps": steps, "dtype": PRECISIONS[precision], "remat_policy": "full", **layout.maxtext,
     }
     return [str(python), "-m", "maxtext.trainers.pre_train.train", str(base_yml),
             *(f"{k}={v}" for k, v in settings.items())]
@@ -236,10 +260,10 @@ STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([0-9.eE+-]+)")
 
 
 def run_maxtext(python: Path, base_yml: Path, layout: Layout, steps: int, skip: int, work: Path,
-                timeout: float) -> float:
+                timeout: float, precision: str = "bf16") -> float:
     """Median tokens/s of one MaxText run, from its `completed step: N, seconds: S` lines."""
     log = work / "maxtext.log"
-    _run(maxtext_command(python, base_yml, layout, steps, work / "out"), log, timeout)
+    _run(maxtext_command(python, base_yml, layout, steps, work / "out", precision), log, timeout)
     per_step = {int(m[1]): float(m[2]) for m in STEP_LINE.finditer(log.read_text(errors="replace"))}
     return _tokens_per_s([per_step[s] for s in sorted(per_step)], steps, skip, "MaxText")
 

@@ -10,18 +10,29 @@ compiled before come from the cache), then trains the K fastest and the K slowes
 layouts that fit (default K=5). Every layout runs W untimed warm-up steps (compilation
 included), then R rounds go over all of them in turn (forwards, then backwards), N timed steps
 each, so that the machine's drift touches every layout alike; a layout's measured time is the median of its R x N steps.
-Reported: the Spearman rank correlation of predicted and measured times, a markdown table, the
-figure results/planner.png (predicted against measured, log-log), and a JSON line.
+Reported: the Spearman rank correlation of predicted and measured times, a markdown table under
+the machine's line (the cpu profile's record, jaxpar.machine: processor, native bf16, matmul rates),
+the figure results/planner.png (predicted against measured, log-log), and a JSON line.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
-from common import RESULTS, host_batches, load_settings, markdown, parse_steps, pyplot, save_figure, step_parser
+from common import (
+    RESULTS,
+    git_commit,
+    host_batches,
+    load_settings,
+    machine_line,
+    machine_record,
+    markdown,
+    parse_steps,
+    pyplot,
+    save_figure,
+    step_parser,
+)
 
 parser = step_parser(__doc__, steps=4, warmup=2, config_file=True, steps_help="timed steps per layout and round "
                      "(default %(default)s)")
@@ -43,8 +54,6 @@ import numpy as np  # noqa: E402
 
 from jaxpar.plan.calibrate import profile  # noqa: E402
 from jaxpar.plan.search import search  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -93,6 +102,7 @@ def measured_seconds(candidates: list, batches: list) -> list[float]:
 
 def main() -> int:
     hardware = profile("cpu" if DEVICES[0].platform == "cpu" else "h100", DEVICES)
+    machine = hardware.machine or machine_record(DEVICES)
     result = search(CFG, DEVICES, hardware, hardware.memory_bytes, {}, processes=ARGS.processes)
     ranked = result.ranked
     chosen = ranked[:ARGS.each] + ranked[-ARGS.each:] if len(ranked) > 2 * ARGS.each else ranked
@@ -106,6 +116,7 @@ def main() -> int:
     rows = [[str(ranked.index(c) + 1), str(measured_rank[i]), c.name, f"{predicted[i] * 1e3:.1f}",
              f"{measured[i] * 1e3:.1f}", f"{measured[i] / predicted[i]:.2f}", c.prediction.limiting]
             for i, c in enumerate(chosen)]
+    print(machine_line(machine) + "\n")
     print(markdown(["predicted rank (of all)", "measured rank (of these)", "layout", "predicted ms", "measured ms",
                     "measured / predicted", "limiting"], rows))
     print(f"\nSpearman rank correlation over {len(chosen)} layouts: {rho:.3f}")
@@ -127,8 +138,7 @@ def main() -> int:
     ax.set_title(f"planner calibration: {len(DEVICES)} x {DEVICES[0].platform}, Spearman {rho:.2f}", fontsize=10)
     ax.legend(fontsize=8)
     save_figure(fig, RESULTS / "planner.png")
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    print(json.dumps({"spearman": rho, "commit": head.stdout.strip() or None, "search_seconds": result.seconds,
+    print(json.dumps({"spearman": rho, "commit": git_commit(), "machine": machine, "search_seconds": result.seconds,
                       "fit": len(ranked), "layouts": [
                           {"layout": c.name, "overrides": c.overrides, "predicted_s": predicted[i],
                            "measured_s": measured[i]} for i, c in enumerate(chosen)]}))

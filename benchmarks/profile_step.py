@@ -14,7 +14,9 @@ per step and per device (thread time divided by steps x devices):
     control (while, conditional), and idle workers waiting for each other;
   * the top K ops with their opcode and output shape.
 Thread time on emulated devices is CPU time shared by all devices, so compare shares, not
-absolute milliseconds, and only from runs on an otherwise idle machine. The last line is JSON.
+absolute milliseconds, and only from runs on an otherwise idle machine. The machine's line
+(jaxpar.machine: processor, native bf16, matmul rates) heads the tables; the last line is JSON.
+benchmarks/fp32_ops.py gives the same step's ops by dtype from the compiled program alone.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import re
 import sys
 import tempfile
 
-from common import load_settings, parse_steps, step_parser
+from common import git_commit, load_settings, machine_line, machine_record, parse_steps, step_parser
 
 from jaxpar.runtime import setup_devices
 
@@ -95,6 +97,7 @@ def trace_events(trace_dir: str) -> list[tuple[str, float]]:
 
 def main() -> int:
     session = prepare(CFG)
+    machine = machine_record(session.devices)
     trainer = Trainer(session)
     ops = hlo_ops(trainer.compile_step().as_text())
     state = trainer.init()
@@ -116,6 +119,7 @@ def main() -> int:
         if not name.startswith("Wait") and name != "Rendezvous":
             by_op[name] += seconds / per
     total = sum(by_category.values())
+    print(machine_line(machine) + f"; jaxpar {git_commit()}")
     print(f"{session.mesh_name()}, zero {session.cfg.parallel.zero}, {session.cfg.train.precision}, "
           f"remat {session.cfg.train.remat}: "
           f"{total * 1e3:.1f} ms of thread time per step and device\n")
@@ -126,7 +130,8 @@ def main() -> int:
     for name, seconds in by_op.most_common(ARGS.top):
         opcode, shape, _ = ops.get(name, ("?", "?", ""))
         print(f"| {name} | {opcode} | {shape} | {seconds * 1e3:.1f} | {seconds / total:.1%} |")
-    print(json.dumps({"layout": session.mesh_name(), "zero": session.cfg.parallel.zero,
+    print(json.dumps({"layout": session.mesh_name(), "machine": machine, "commit": git_commit(),
+                      "zero": session.cfg.parallel.zero,
                       "precision": session.cfg.train.precision,
                       "ms_per_step_device": round(total * 1e3, 2),
                       "categories": {k: round(v / total, 4) for k, v in by_category.most_common()}}))

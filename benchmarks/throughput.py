@@ -11,10 +11,13 @@ The config is jaxpar's (defaults: the tiny model). In one process the script tim
     device count (8 emulated CPU devices on a CPU-only host).
 Each runs W warm-up steps (compilation included), then N steps timed one by one, each ending
 in `jax.block_until_ready`. Reported: median step time and tokens/s = batch_size*seq_len /
-median, as a markdown table and, on the last line, as JSON. On a GPU host the table also has
-model FLOPs utilization: 6 x active parameters (for a mixture of experts, the router and the
-top-k experts a token uses, not all E) + attention FLOPs per token, against the device's peak
-dense FLOP/s in the compute dtype (train.precision: bf16/fp16 tensor cores, or TF32 for fp32).
+median, and model FLOPs utilization, as a markdown table under the machine's line and, on the
+last line, as JSON. MFU is jaxpar.plan.model_flops: 6 x the active parameters a token multiplies
+by (for a mixture of experts, the router and the top-k experts a token uses, not all E) +
+attention FLOPs per token, against the peak in the compute dtype (the precision policy's): on a
+CPU the machine's measured 2048^3 matmul rate (jaxpar.machine, measured at the start; every
+emulated device shares it), on a GPU its datasheet peak x the devices (bf16/fp16 tensor cores,
+TF32 for fp32; --peak-tflops overrides the per-device peak).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import sys
 from common import (
     host_batches,
     load_settings,
+    machine_line,
+    machine_record,
     markdown,
     parse_steps,
     run_line,
@@ -52,17 +57,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jaxpar import precision  # noqa: E402
 from jaxpar.model import Transformer  # noqa: E402
-from jaxpar.plan.model_flops import flops_per_token  # noqa: E402
-
-# Peak dense FLOP/s per device by compute dtype (fp32 runs its matmuls as TF32), matched by
-# substring of device_kind (first match wins). Vendor datasheet figures, without sparsity.
-PEAK_FLOPS = {
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 378e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 495e12},
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 495e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
-}
+from jaxpar.plan.model_flops import utilization  # noqa: E402
 
 
 def baseline_seconds(cfg, device, batches: list[np.ndarray], warmup: int) -> float:
@@ -104,11 +101,15 @@ def trainer_seconds(cfg, devices, batches: list[np.ndarray], warmup: int) -> flo
     return time_trainer(trainer_on(cfg, devices), batches, warmup)[0]
 
 
-def peak_flops(device, precision: str) -> float | None:
-    """Peak dense FLOP/s of one device in the compute dtype: --peak-tflops, else by device_kind."""
+def mfu(cfg, tokens_per_s: float, devices: list, record: dict) -> dict:
+    """utilization() of a row run on `devices`: against --peak-tflops per device when given."""
+    compute = precision.of(cfg).compute
+    found = utilization(cfg, tokens_per_s, devices, compute, record)
     if ARGS.peak_tflops is not None:
-        return ARGS.peak_tflops * 1e12
-    return next((v[precision] for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
+        peak = ARGS.peak_tflops * 1e12 * len(devices)
+        found = {**found, "mfu": found["model_flops_per_token"] * tokens_per_s / peak, "peak_flops": peak,
+                 "peak_source": f"--peak-tflops {ARGS.peak_tflops:g}"}
+    return found
 
 
 def main() -> int:
@@ -117,6 +118,7 @@ def main() -> int:
     batches = host_batches(cfg, warmup + ARGS.steps)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
     print(run_line(devices, cfg, warmup, ARGS.steps), file=sys.stderr)
+    record = machine_record(devices, tuple(dict.fromkeys(("float32", "bfloat16", precision.of(cfg).compute))))
 
     try:  # the model and training settings themselves, before anything is compiled
         validate(cfg.replace(**{"mesh.data": 1, "mesh.tensor": 1, "mesh.expert": 1, "mesh.stage": 1}), 1)
@@ -132,28 +134,22 @@ def main() -> int:
         except ConfigError as e:
             print(f"skipping {name}: {e}")
 
-    on_gpu = devices[0].platform == "gpu"
-    per_token, peak = (flops_per_token(cfg), peak_flops(devices[0], cfg.train.precision)) if on_gpu else (None, None)
     base_tps = tokens_per_step / timed[0][2]
     rows = []
     for name, n, seconds in timed:
         tps = tokens_per_step / seconds
-        row = {"layout": name, "devices": n, "median_step_ms": round(seconds * 1e3, 3),
-               "tokens_per_s": round(tps, 1), "ratio_vs_baseline": round(tps / base_tps, 3)}
-        if on_gpu:
-            row["mfu"] = round(per_token * tps / (peak * n), 4) if peak else None
-        rows.append(row)
+        used = mfu(cfg, tps, devices[:n], record)
+        rows.append({"layout": name, "devices": n, "median_step_ms": round(seconds * 1e3, 3),
+                     "tokens_per_s": round(tps, 1), "ratio_vs_baseline": round(tps / base_tps, 3),
+                     "mfu": None if used["mfu"] is None else round(used["mfu"], 4), "peak_source": used["peak_source"]})
 
-    header = ["layout", "devices", "median step ms", "tokens/s", "ratio vs baseline"] + (["MFU"] if on_gpu else [])
-    table = []
-    for r in rows:
-        cells = [r["layout"], str(r["devices"]), f"{r['median_step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
-                 f"{r['ratio_vs_baseline']:.2f}"]
-        if on_gpu:
-            cells.append(f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a")
-        table.append(cells)
+    header = ["layout", "devices", "median step ms", "tokens/s", "ratio vs baseline", "MFU"]
+    table = [[r["layout"], str(r["devices"]), f"{r['median_step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
+              f"{r['ratio_vs_baseline']:.2f}", f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"] for r in rows]
+    print(machine_line(record) + f"; MFU against {rows[0]['peak_source']}\n")
     print(markdown(header, table))
-    print(json.dumps(rows))
+    print(json.dumps({"benchmark": "throughput", "machine": record, "precision": cfg.train.precision,
+                      "model_flops_per_token": used["model_flops_per_token"], "rows": rows}))
     return 0
 
 

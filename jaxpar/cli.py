@@ -57,9 +57,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if distributed.is_secondary():
         return 0  # process 0 reports for the whole run
     if summary["final_loss"] is not None:
+        mfu = "" if summary.get("mfu") is None else f", MFU {summary['mfu']:.1%} ({summary['peak_source']})"
         print(f"\nfinal train loss {summary['final_loss']:.4f} (first step {summary['first_loss']:.4f}), "
-              f"validation loss {summary['val_loss']:.4f}, {summary['tokens_per_s_median']:.0f} tokens/s (median), "
-              f"{describe(summary['goodput'])}")
+              f"validation loss {summary['val_loss']:.4f}, {summary['tokens_per_s_median']:.0f} tokens/s (median)"
+              f"{mfu}, {describe(summary['goodput'])}")
     else:
         print(f"\nvalidation loss {summary['val_loss']:.4f}")
     if summary["sample"] is not None:
@@ -137,6 +138,7 @@ def _plan_search(args: argparse.Namespace) -> int:
     from jaxpar.runtime import setup_devices
 
     devices = setup_devices(cfg)
+    from jaxpar import precision
     from jaxpar.hardware import PROFILES, for_device_kind
     from jaxpar.plan import search_report
     from jaxpar.plan.calibrate import profile
@@ -157,7 +159,7 @@ def _plan_search(args: argparse.Namespace) -> int:
     settings = [*([path] if path else []), *(o for o in overrides if parse_override(o)[0] not in SEARCHED_KEYS)]
     print("train it: jaxpar train " + " ".join([*settings, *(f"{k}={v}" for k, v in best.items())]))
     per_step = flops_per_token(cfg) * cfg.train.batch_size * cfg.model.seq_len
-    print(json.dumps(search_report.summary(result, best, per_step, cfg.train.precision, len(devices))))
+    print(json.dumps(search_report.summary(result, best, per_step, precision.of(cfg).compute, len(devices))))
     return 0
 
 

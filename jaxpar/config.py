@@ -150,8 +150,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     clip_norm: float = 1.0
     eval_batches: int = 8
-    # validation loss every N steps as well (a `val_loss` in that step's metrics line); 0: at the end only
-    eval_every: int = 0
+    eval_every: int = 0  # a validation loss every N steps as well (`val_loss` in its metrics line); 0: at the end only
     sample_tokens: int = 160  # greedy sample at the end of a run; 0 writes none
     optimizer: Literal["adamw", "adafactor"] = "adamw"
     remat: Literal["none", "dots", "full", "sqrt"] = "none"  # in the order of what each recomputes
@@ -161,6 +160,7 @@ class TrainConfig:
     # pinned host memory for the optimizer state (brought to the device for the update), for the
     # layer inputs that full remat keeps (the remat policy offloads them), or for both
     offload: Literal["none", "optimizer", "activations", "both"] = "none"
+    loss_chunks: int = 1  # logits + loss in N strided chunks of the sequence (train/chunked_loss.py); 0: automatic
 
     @property
     def offloads_optimizer(self) -> bool:

@@ -30,14 +30,16 @@ GB = 1e9
 class Hardware:
     """What the roofline needs of one kind of device.
 
-    peak_flops: matmul FLOP/s of one device by train.precision; intra/inter_host_bandwidth:
+    peak_flops: matmul FLOP/s of one device by compute dtype (jaxpar.precision's names: float32,
+    bfloat16, float16; a run looks its policy's `compute` up); intra/inter_host_bandwidth:
     bytes per second one device sends over a link inside its host / to another host;
     intra/inter_host_latency_s: seconds per step of a ring (n-1 steps for n devices);
     collective_overhead_s: a fixed cost of every collective, besides its steps; write_bandwidth:
     bytes per second written by elementwise work that reads about as much (GPUs: half the HBM
     bandwidth);
     overlaps_collectives: whether collectives over the data axes run while compute runs (GPUs:
-    XLA's latency-hiding scheduler makes them asynchronous; XLA:CPU runs them in line).
+    XLA's latency-hiding scheduler makes them asynchronous; XLA:CPU runs them in line);
+    machine: a measured profile's machine record (jaxpar.machine.describe), None for a datasheet.
     """
 
     name: str
@@ -52,6 +54,7 @@ class Hardware:
     source: str
     write_bandwidth: float  # bytes per second one device's elementwise work writes (reading as much)
     collective_overhead_s: float = 0.0  # what every collective costs besides its ring steps (GPUs: in the steps)
+    machine: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -59,7 +62,7 @@ class Hardware:
 
 def _gpu(name: str, bf16_tflops: float, tf32_tflops: float, memory_gb: float, hbm_tbs: float, nvlink_gbs: float,
          nic_gbs: float, source: str) -> Hardware:
-    peak = {"bf16": bf16_tflops * 1e12, "fp16": bf16_tflops * 1e12, "fp32": tf32_tflops * 1e12}
+    peak = {"bfloat16": bf16_tflops * 1e12, "float16": bf16_tflops * 1e12, "float32": tf32_tflops * 1e12}
     return Hardware(name, peak, memory_gb * GB, 8, nvlink_gbs * GB, nic_gbs * GB, 5e-6, 10e-6, True, source,
                     hbm_tbs * 1e12 / 2)
 

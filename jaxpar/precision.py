@@ -5,7 +5,10 @@ the policy what to do.
 A policy names the dtype of each role, after Levanter's jmp-style policies:
 - compute: the forward and backward matmuls (the weights are cast to it at the step's start);
 - param and optimizer: the master weights and the optimizer's moments, always fp32;
-- output: the logits and the loss, always fp32 (the softmax needs the range);
+- output: the logits and the loss, always fp32 (the softmax needs the range; attention scores too);
+- output_grad: the gradient of those fp32 matmul results (logits, attention scores) as it re-enters
+  their matmuls' backward: the compute dtype (jaxpar.model.matmul), so that those matmuls run like
+  every other one of the step instead of in fp32; the softmax and loss around them stay fp32;
 - grad_reduce: the payload of the data-parallel gradient reductions (summed into fp32 either way).
 With it come the loss scaling fp16 needs (its smallest normal value is 6e-5, so small gradients
 would underflow: the loss is scaled up before differentiation and the gradients down after, and
@@ -36,6 +39,7 @@ class PrecisionPolicy:
     param: str = FP32
     optimizer: str = FP32
     output: str = FP32
+    output_grad: str = FP32
     loss_scaling: bool = False  # dynamic loss scaling; such a policy skips every non-finite step
     initial_loss_scale: float = 1.0
     loss_scale_window: int = 2000  # good steps in a row before the scale doubles
@@ -53,7 +57,8 @@ class PrecisionPolicy:
         return not self.reduced
 
     def dtype(self, role: str):
-        """The jax.numpy dtype of a role: 'compute', 'param', 'optimizer', 'output' or 'grad_reduce'."""
+        """The jax.numpy dtype of a role: 'compute', 'param', 'optimizer', 'output', 'output_grad' or
+        'grad_reduce'."""
         import jax.numpy as jnp
 
         return jnp.dtype(getattr(self, role))
@@ -94,8 +99,8 @@ def _cast(tree, dtype: str):
 
 POLICIES = {
     "fp32": PrecisionPolicy("fp32", FP32),
-    "bf16": PrecisionPolicy("bf16", BF16, tolerances=HALF_TOLERANCES),
-    "fp16": PrecisionPolicy("fp16", FP16, loss_scaling=True, initial_loss_scale=INITIAL_FP16_SCALE,
+    "bf16": PrecisionPolicy("bf16", BF16, output_grad=BF16, tolerances=HALF_TOLERANCES),
+    "fp16": PrecisionPolicy("fp16", FP16, output_grad=FP16, loss_scaling=True, initial_loss_scale=INITIAL_FP16_SCALE,
                             tolerances=HALF_TOLERANCES),
 }
 

@@ -73,6 +73,7 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("train.grad_accum", _unless(1, "grad_accum={value}"), reference=1, searched=True, with_local_sgd=False),
     Switch("train.remat", _unless("none", "remat={value}"), reference="none", searched=True),
     Switch("train.optimizer", _unless("adamw", "{value}")),
+    Switch("train.loss_chunks", _unless(1, "loss_chunks={value}"), reference=1),  # checked against the whole logits
     Switch("train.precision", lambda value, cfg, sizes: value, reference="fp32"),
 )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from jaxpar import precision
+from jaxpar import loss_chunks, precision
 from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig
 from jaxpar.data.sources import parse_mixture
 from jaxpar.switches import ZeroStage, not_with_local_sgd
@@ -209,16 +209,18 @@ def _validate_offload_and_local_sgd(cfg: Config, sizes: dict[str, int]) -> None:
 
 def check_model_fits(block_model: bool, model_name: str, cfg: Config, sizes: dict[str, int]) -> None:
     """What a model without the block protocol (jaxpar.model.protocol: embed, run_blocks and logits
-    around stacked layers) cannot do: anything that needs its layers one by one."""
+    around stacked layers) cannot do: anything that needs its layers one by one, or its logits from
+    its last hidden states (train.loss_chunks)."""
     if block_model:
         return
     per_layer = {"mesh.stage > 1": sizes["stage"] > 1, f"train.remat={cfg.train.remat}": cfg.train.remat != "none",
-                 f"train.offload={cfg.train.offload}": cfg.train.offloads_activations}
+                 f"train.offload={cfg.train.offload}": cfg.train.offloads_activations,
+                 f"train.loss_chunks={cfg.train.loss_chunks}": cfg.train.loss_chunks != 1}
     asked = [key for key, on in per_layer.items() if on]
     if asked:
-        raise ConfigError(f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''} the model's layers one by one, "
-                          f"but {model_name} does not implement jaxpar's block protocol (STACKED_AT, embed, "
-                          f"run_blocks, logits, stacked_layers: jaxpar.model.protocol).")
+        raise ConfigError(f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''} the model's layers one by one "
+                          f"and its logits apart, but {model_name} does not implement jaxpar's block protocol "
+                          f"(STACKED_AT, embed, run_blocks, logits, stacked_layers: jaxpar.model.protocol).")
 
 
 def check_attention_platform(cfg: Config, platform: str) -> None:
@@ -279,11 +281,23 @@ def routed_tokens_per_device(cfg: Config, sizes: dict[str, int]) -> int:
     return t.batch_size // (sizes["data"] * sizes["expert"] * microbatches) * cfg.model.seq_len
 
 
+def _validate_loss_chunks(cfg: Config, sizes: dict[str, int]) -> None:
+    chunks, seq_len, split = cfg.train.loss_chunks, cfg.model.seq_len, loss_chunks.sequence_split(cfg, sizes)
+    if chunks < 0 or (chunks and not loss_chunks.fits(chunks, seq_len, split)):
+        tensor = f" into chunks divisible by mesh.tensor={split} (sequence parallelism)" if split > 1 else ""
+        raise ConfigError(f"train.loss_chunks={chunks} must be 0 (automatic) or divide model.seq_len={seq_len}"
+                          f"{tensor}.")
+
+
 def with_derived(cfg: Config, sizes: dict[str, int]) -> Config:
-    """The config with its automatic values filled in for this mesh: model.moe.group_size=0
-    becomes the largest divisor of the tokens per device up to 256. Routing groups are then
-    consecutive tokens of the global batch, the same on every layout that shares the value
-    (verify's single-device reference takes it from the layout)."""
+    """The config with its automatic values filled in for this mesh: train.loss_chunks=0 becomes
+    jaxpar.loss_chunks.automatic's count; model.moe.group_size=0 becomes the largest divisor of the
+    tokens per device up to 256. Routing groups are then consecutive tokens of the global batch,
+    the same on every layout that shares the value (verify's single-device reference takes it from
+    the layout)."""
+    if not cfg.train.loss_chunks:
+        chunks = loss_chunks.automatic(cfg, sizes, routed_tokens_per_device(cfg, sizes))
+        cfg = cfg.replace(**{"train.loss_chunks": chunks})
     moe = cfg.model.moe
     if not moe.experts or moe.group_size:
         return cfg
@@ -374,6 +388,7 @@ def validate(cfg: Config, n_devices: int, processes: int = 1) -> tuple[dict[str,
     _validate_model_shape(cfg.model, sizes["tensor"])
     _validate_attention(cfg, sizes)
     _validate_train_numbers(cfg.train, sizes)
+    _validate_loss_chunks(cfg, sizes)
     _validate_pipeline(cfg, sizes)
     _validate_moe(cfg, sizes)
     _validate_offload_and_local_sgd(cfg, sizes)

@@ -88,6 +88,11 @@ BAD_INPUTS = {
     "sequence with kv heads not divisible by tensor": (
         ["mesh.data=2", "mesh.tensor=4", "parallel.sequence=true", "model.n_kv_heads=2"],
         "parallel.sequence=true needs the 2 key/value heads (model.n_kv_heads) to be divisible by mesh.tensor=4"),
+    "loss chunks not dividing seq_len": (["train.loss_chunks=3"],
+                                         "train.loss_chunks=3 must be 0 (automatic) or divide model.seq_len=128."),
+    "loss chunks not splitting over tensor": (
+        ["mesh.data=2", "mesh.tensor=4", "parallel.sequence=true", "train.loss_chunks=64"],
+        "or divide model.seq_len=128 into chunks divisible by mesh.tensor=4 (sequence parallelism)."),
 }
 
 

@@ -1,7 +1,8 @@
-"""Open weights in and out: tiny Llama, Mistral, Qwen 2 and Qwen 3 checkpoints made by the transformers
-library (tests/fixtures/hf, with the script that made them) load onto every layout with transformers'
-own logits, train, export bit for bit, and refuse bad input in one sentence."""
+"""Open weights in and out: tiny Llama, Mistral, Qwen 2, Qwen 3, Mixtral and Qwen3-MoE checkpoints made by
+the transformers library (tests/fixtures/hf, with the script that made them) load onto every layout with
+transformers' own logits, train, export bit for bit, and refuse bad input in one sentence."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +17,9 @@ from jaxpar.cli import main
 from jaxpar.presets import load_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE = ("llama", "mistral", "qwen2", "qwen3")
+MOE = ("mixtral", "qwen3_moe")  # their routers keep every golden token off bf16 near-ties (make_fixtures.py)
+FAMILIES = DENSE + MOE
 LOGIT_TOLERANCE = 1e-4  # max abs, fp32, against transformers
 
 
@@ -34,6 +37,8 @@ def test_load_matches_transformers_on_one_device(name):
     logits = np.asarray(model(jnp.asarray(tokens, jnp.int32)))
     assert logits.shape == expected.shape
     assert np.max(np.abs(logits - expected)) <= LOGIT_TOLERANCE
+    if name in MOE:  # the comparison's premise: jaxpar's bf16 ranking and transformers' fp32 one agree
+        assert np.load(FIXTURES / name / "golden.npz")["near_ties"] == 0
 
 
 def layout_logits(*settings: str) -> tuple[np.ndarray, np.ndarray]:
@@ -68,9 +73,22 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", DENSE)
 def test_load_matches_transformers_on_layouts(name, layout):
     logits, expected = layout_logits(f"model.from_hf={FIXTURES / name}", *LAYOUTS[layout])
+    assert np.max(np.abs(logits - expected)) <= LOGIT_TOLERANCE
+
+
+# Experts split over `expert` (each device reads its own experts), and beside tensor parallelism.
+MOE_LAYOUTS = {"ZeRO-3 on data=4 x expert=2": LAYOUTS["ZeRO-3 on data=4 x expert=2"],
+               "data=2 x tensor=2 x expert=2": ["mesh.data=2", "mesh.tensor=2", "mesh.expert=2"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+@pytest.mark.parametrize("name", MOE)
+def test_moe_checkpoints_match_transformers_on_layouts(name, layout):
+    logits, expected = layout_logits(f"model.from_hf={FIXTURES / name}", *MOE_LAYOUTS[layout])
     assert np.max(np.abs(logits - expected)) <= LOGIT_TOLERANCE
 
 
@@ -99,6 +117,20 @@ def test_a_broken_mapping_fails(monkeypatch):
                         lambda hf_, where: {**settings(hf_, where), "model.rope_scaling": "none"})
     model, cfg = hf.load(FIXTURES / "llama")
     assert cfg.model.rope_scaling == "none"
+    assert np.max(np.abs(np.asarray(model(jnp.asarray(tokens, jnp.int32))) - expected)) > 100 * LOGIT_TOLERANCE
+
+
+def test_a_broken_expert_mapping_fails(monkeypatch):
+    """Each expert's gate (w1) and up (w3) projections swapped moves Mixtral's logits far beyond the
+    tolerance."""
+    from jaxpar.interop import hf, hf_names
+
+    original = hf_names.tensor_maps
+    monkeypatch.setattr("jaxpar.interop.hf_weights.tensor_maps", lambda m: [
+        dataclasses.replace(t, sources=t.sources[::-1]) if t.experts and t.slot_axis is not None else t
+        for t in original(m)])
+    model, cfg = hf.load(FIXTURES / "mixtral")
+    tokens, expected = golden("mixtral")
     assert np.max(np.abs(np.asarray(model(jnp.asarray(tokens, jnp.int32))) - expected)) > 100 * LOGIT_TOLERANCE
 
 
@@ -167,18 +199,21 @@ def test_training_from_an_import_verifies(capsys):
 # ---------------------------------------------------------------- memory
 
 
-@pytest.mark.parametrize("layout", [["mesh.data=8", "parallel.zero=3"], ["mesh.data=1", "mesh.tensor=8"]])
-def test_each_device_reads_only_its_own_slices(layout):
-    """On ZeRO-3 over 8 devices and on tensor=8, every parameter that the layout shards is read in
-    slices: each device reads exactly the bytes of its shard of each tensor (not the whole tensor),
-    and what all devices read together is the checkpoint once, plus the replicated tensors."""
+@pytest.mark.parametrize("name, layout", [("mistral", ["mesh.data=8", "parallel.zero=3"]),
+                                          ("mistral", ["mesh.data=1", "mesh.tensor=8"]),
+                                          ("mixtral", ["mesh.data=1", "mesh.expert=8", "parallel.zero=3"])])
+def test_each_device_reads_only_its_own_slices(name, layout):
+    """On ZeRO-3 over 8 devices, on tensor=8 and with Mixtral's experts over expert=8, every parameter
+    that the layout shards is read in slices: each device reads exactly the bytes of its shard of each
+    tensor (not the whole tensor; its own experts' tensors alone), and what all devices read together is
+    the checkpoint once, plus the replicated tensors."""
     from jaxpar.interop.hf_names import tensor_maps
     from jaxpar.interop.hf_weights import load_params
     from jaxpar.model.axes import path_names
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 
-    session = prepare(load_config(None, [f"model.from_hf={FIXTURES / 'mistral'}", *layout]))
+    session = prepare(load_config(None, [f"model.from_hf={FIXTURES / name}", *layout]))
     trainer = Trainer(session)
     m = session.cfg.model
     _, per_device = load_params(session.hf_checkpoint, m, trainer.param_shardings, progress=False)
@@ -188,6 +223,8 @@ def test_each_device_reads_only_its_own_slices(layout):
     for path, sharding in jax.tree_util.tree_flatten_with_path(
             trainer.param_shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
         tensor_map, sharding = maps[path_names(path)], sharding.get_value()
+        if not tensor_map.sources:  # the router's noise weight: not in the checkpoint, made as zeros
+            continue
         whole += int(np.prod(tensor_map.shape)) * 4
         for device, index in sharding.addressable_devices_indices_map(tensor_map.shape).items():
             expected[device.id] += int(np.prod([len(range(*s.indices(n)))
@@ -240,23 +277,99 @@ BAD_CHECKPOINTS = {
     "misshapen tensor": ("llama", misshapen, "model.layers.1.mlp.up_proj.weight in"),
     "tokenizer larger than the vocabulary": ("qwen2", bigger_tokenizer, "produces ids up to 400"),
     "output bias": ("llama", lambda f: rewrite_config(f, attention_bias=True), "has attention_bias=true"),
+    "missing expert tensor": ("mixtral", lambda f: without(f, "model.layers.2.block_sparse_moe.experts.5.w3.weight"),
+                              "lacks the tensor model.layers.2.block_sparse_moe.experts.5.w3.weight"),
+    "experts no model.moe.every places": ("qwen3_moe", lambda f: rewrite_config(f, mlp_only_layers=[1]),
+                                          "experts are in layers [3] (decoder_sparse_step=2, mlp_only_layers=[1])"),
+    "a Qwen2-MoE's gated shared expert": ("qwen3_moe", lambda f: rewrite_config(f, model_type="qwen2_moe"),
+                                          "sigmoid gate (shared_expert_gate)"),
+    "experts that do not divide over expert": ("mixtral", lambda f: rewrite_config(f, num_local_experts=6),
+                                               "model.moe.experts=6 is not divisible by mesh.expert=4",
+                                               "mesh.expert=4"),
 }
+
+
+def without(folder: Path, name: str) -> None:
+    from jaxpar.interop.safetensors import write_file
+
+    tensors = read_all(folder)
+    del tensors[name]
+    (folder / "model.safetensors").unlink()
+    write_file(folder / "model.safetensors", [(n, t.shape) for n, t in tensors.items()], np.dtype(np.float32),
+               tensors.__getitem__)
 
 
 @pytest.mark.parametrize("case", BAD_CHECKPOINTS)
 def test_bad_checkpoints_end_in_one_sentence(case, tmp_path, capsys):
-    name, damage, words = BAD_CHECKPOINTS[case]
+    name, damage, words, *settings = BAD_CHECKPOINTS[case]
     folder = broken_copy(tmp_path, name, damage)
-    code = main(["train", f"model.from_hf={folder}", f"run.dir={tmp_path / 'run'}", "--no-progress"])
+    code = main(["train", f"model.from_hf={folder}", *settings, f"run.dir={tmp_path / 'run'}", "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and words in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
 
 
-def test_a_key_that_contradicts_the_checkpoint_is_refused(capsys):
-    code = main(["plan", f"model.from_hf={FIXTURES / 'qwen3'}", "model.d_model=64", "model.qk_norm=false"])
+@pytest.mark.parametrize("name, keys, words", [
+    ("qwen3", ["model.d_model=64", "model.qk_norm=false"], "model.d_model=64, model.qk_norm=False"),
+    ("mixtral", ["model.moe.router=topk", "model.moe.noise=true"],
+     "has model.moe.router=dropless, model.moe.noise=False"),
+])
+def test_a_key_that_contradicts_the_checkpoint_is_refused(name, keys, words, capsys):
+    code = main(["plan", f"model.from_hf={FIXTURES / name}", *keys])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "model.d_model=64, model.qk_norm=False" in err and len(err.splitlines()) == 1
+    assert code == 2 and words in err and len(err.splitlines()) == 1, err
+
+
+def test_both_spellings_of_a_qwen3_moe_config_read_alike():
+    """Published Qwen3-MoE files say num_experts and rope_theta; transformers 5 writes num_local_experts
+    and rope_parameters."""
+    from jaxpar.interop.hf_config import model_settings, read_config
+
+    published = read_config(FIXTURES / "qwen3_moe")
+    written = {k: v for k, v in published.items() if k not in ("num_experts", "rope_theta", "rope_scaling")}
+    written.update(num_local_experts=published["num_experts"],
+                   rope_parameters={"rope_type": "default", "rope_theta": published["rope_theta"]})
+    settings = model_settings(published, Path("config.json"))
+    assert settings == model_settings(written, Path("config.json"))
+    assert {k: settings[k] for k in ("model.moe.experts", "model.moe.every", "model.moe.top_k", "model.moe.d_ff",
+                                     "model.d_ff", "model.moe.renormalize")} == {
+        "model.moe.experts": 8, "model.moe.every": 2, "model.moe.top_k": 3, "model.moe.d_ff": 16, "model.d_ff": 48,
+        "model.moe.renormalize": False}
+
+
+# Every MLP an MoE (Mixtral's shape: its one width, intermediate_size, is the experts')
+MOE_MODEL = {"model.mlp": "swiglu", "model.d_ff": 64, "model.moe.experts": 4, "model.moe.every": 1,
+             "model.moe.router": "dropless", "model.moe.mlp": "swiglu", "model.moe.d_ff": 64, "model.moe.noise": False}
+
+
+@pytest.mark.parametrize("family, keys", [("mixtral", {}), ("qwen3_moe", {
+    "model.qk_norm": True, "model.moe.every": 2, "model.d_ff": 96, "model.moe.renormalize": False})])
+def test_a_new_moe_config_reads_back_as_the_model(family, keys):
+    """An MoE model of jaxpar's own exports with a new config.json of its family, which imports as the same
+    model."""
+    from jaxpar.config import Config, apply_overrides, flatten_dict
+    from jaxpar.interop.hf_config import hf_config, model_settings
+
+    m = apply_overrides(Config(), {**MOE_MODEL, **keys}).model
+    written = hf_config(m, "float32")
+    assert written["model_type"] == family
+    flat = flatten_dict(Config(model=m).to_dict())
+    assert {k: v for k, v in model_settings(written, Path("config.json")).items()
+            if flat[k] != v and not (k == "model.n_kv_heads" and v == m.kv_heads)} == {}
+
+
+@pytest.mark.parametrize("keys, words", [({"model.moe.mlp": "gelu"}, "model.moe.mlp=gelu"),
+                                         ({"model.moe.router": "switch"}, "model.moe.router=switch"),
+                                         ({"model.moe.shared": 1}, "model.moe.shared=1"),
+                                         ({"model.moe.balance": "bias"}, "model.moe.balance=bias"),
+                                         ({"model.moe.every": 2}, "model.moe.every > 1")])
+def test_export_refuses_experts_no_family_holds(keys, words):
+    from jaxpar.config import Config, apply_overrides
+    from jaxpar.interop.hf_config import CheckpointError, family_of
+
+    with pytest.raises(CheckpointError, match="has no Hugging Face family") as error:
+        family_of(apply_overrides(Config(), {**MOE_MODEL, **keys}).model)
+    assert words in str(error.value)
 
 
 @pytest.mark.slow

@@ -68,10 +68,10 @@ QUICK_LAYOUTS = [  # 4 layers: a chunk of one layer for each of the 2 x 2 virtua
 ]
 SLOW_LAYOUTS = [
     ["parallel.pipeline.schedule=gpipe", "mesh.stage=4", "mesh.data=2", "parallel.pipeline.microbatches=8",
-     "train.remat=full", "parallel.zero=1"],
+     "train.remat=full", "parallel.zero=1", "train.loss_chunks=4"],
     ["parallel.pipeline.schedule=interleaved", "mesh.stage=4", "mesh.data=2", "parallel.pipeline.microbatches=8",
      "parallel.pipeline.virtual=2", "model.n_layers=8"],
-    ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=2", "train.precision=bf16"],
+    ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=2", "train.precision=bf16", "train.loss_chunks=4"],
     ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
      "parallel.pipeline.virtual=2", "parallel.zero=3"],
     ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=2bw", "train.steps=4"],

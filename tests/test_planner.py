@@ -16,7 +16,8 @@ from jaxpar.presets import load_config
 from jaxpar.validation import validate
 
 # A made-up profile with round numbers, so the expected figures below can be worked out by hand.
-ROUND = Hardware("round", {"fp32": 1e9, "bf16": 2e9, "fp16": 2e9}, 1e12, 8, 1e8, 1e7, 1e-3, 1e-2, True, "test", 1e9)
+ROUND = Hardware("round", {"float32": 1e9, "bfloat16": 2e9, "float16": 2e9}, 1e12, 8, 1e8, 1e7, 1e-3, 1e-2, True,
+                 "test", 1e9)
 TINY = ["configs/tiny_test.yaml"]
 
 
@@ -34,7 +35,7 @@ def test_roofline_terms_and_overlap():
     plan = {"executed_flops_per_stage": [3e9, 4e9], "written_bytes_per_stage": [1e9, 5e8],
             "collective_ops": [op(["data"], 1e8, 2), op(["tensor"], 1e7, 10), op(["data", "tensor"], 1e6, 1)]}
     sizes = {"data": 2, "tensor": 3, "expert": 1, "stage": 1}  # groups of 2, 3 and 6: 1, 2 and 5 ring steps
-    p = predict(plan, ROUND, "fp32", idle_fraction=0.2, across_hosts=set(), sizes=sizes)
+    p = predict(plan, ROUND, "float32", idle_fraction=0.2, across_hosts=set(), sizes=sizes)
     assert p.compute == pytest.approx(4.0) and p.memory == pytest.approx(1.0)  # the busiest stage of each
     assert p.bubble == pytest.approx(5.0 * 0.2 / 0.8)
     data_only = 2 * (1e-3 + 1e8 / 1e8)  # overlaps compute and memory work: 2.002 s < 5 s, so hidden
@@ -44,14 +45,14 @@ def test_roofline_terms_and_overlap():
     assert p.seconds == pytest.approx(5.0 + critical + 1.25)
     assert p.limiting == "compute"
     # across hosts, the data collectives take the slower link and no longer hide under compute
-    q = predict(plan, ROUND, "fp32", 0.2, across_hosts={"data"}, sizes=sizes)
+    q = predict(plan, ROUND, "float32", 0.2, across_hosts={"data"}, sizes=sizes)
     data_slow = 2 * (1e-2 + 1e8 / 1e7)  # 20.02 s: 5 of them hidden under compute and memory work
     critical_slow = 10 * (2 * 1e-3 + 1e7 / 1e8) + (5 * 1e-2 + 1e6 / 1e7)  # the data x tensor op crosses hosts too
     assert q.communication == pytest.approx(data_slow + critical_slow)
     assert q.seconds == pytest.approx(5.0 + critical_slow + (data_slow - 5.0) + 1.25)
     assert q.limiting == "communication"
     cpu_like = Hardware(**{**ROUND.to_dict(), "overlaps_collectives": False})
-    assert predict(plan, cpu_like, "fp32", 0.0, set(), sizes).seconds == pytest.approx(5.0 + data_only + critical)
+    assert predict(plan, cpu_like, "float32", 0.0, set(), sizes).seconds == pytest.approx(5.0 + data_only + critical)
 
 
 def test_enumeration_is_valid_deduplicated_and_laddered():
@@ -150,7 +151,11 @@ def test_cpu_profile_is_measured_once(tmp_path):
     from jaxpar.plan import calibrate
 
     first = calibrate.cpu_profile(jax.devices())
+    assert set(first.peak_flops) == {"float32", "bfloat16", "float16"}  # by compute dtype (jaxpar.precision)
     assert all(0 < v < math.inf for v in first.peak_flops.values())
+    machine = first.machine  # the machine it was measured on
+    assert machine["processor"] and machine["native_bf16"] in (True, False) and machine["devices"] == 8
+    assert set(machine["matmul_flops"]) == {"float32", "bfloat16"} and min(machine["matmul_flops"].values()) > 0
     assert 0 < first.intra_host_bandwidth and 0 <= first.intra_host_latency_s < 1 and not first.overlaps_collectives
     assert len(list((tmp_path / "cache" / "jaxpar").glob("cpu-profile-*.json"))) == 1
     assert calibrate.cpu_profile(jax.devices()) == first  # read back, not measured again (timings would differ)

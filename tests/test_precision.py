@@ -150,3 +150,36 @@ def test_on_nonfinite_skip_trains_on_where_stop_would_end_the_run(tmp_path, caps
     assert np.isfinite(rows[0]["grad_norm"]) and rows[0]["skipped_steps"] == 0
     assert [r["skipped_steps"] for r in rows[1:]] == [1, 2, 3]
     assert not any(np.isfinite(r["grad_norm"]) for r in rows[1:])
+
+
+def _fp32_matmul_share(trainer) -> float:
+    """The share of the compiled step's matmul FLOPs whose operands are fp32 (loop trip counts included)."""
+    import math
+    import re
+
+    from jaxpar.plan.hlo import array_shapes, parse
+
+    module = parse(trainer.compile_step().as_text())
+    flops = {"f32": 0.0, "other": 0.0}
+    for name, instructions in module.computations.items():
+        shapes = {i.name: i.shape for i in instructions}
+        for inst in (i for i in instructions if i.op == "dot"):
+            lhs, rhs = (array_shapes(shapes[o])[0] for o in re.findall(r"%([^\s,)]+)", inst.rest)[:2])
+            contracted = math.prod(lhs[1][int(d)] for d in re.search(r"lhs_contracting_dims=\{([\d,]*)\}",
+                                                                       inst.rest)[1].split(","))
+            work = 2 * math.prod(array_shapes(inst.shape)[0][1]) * contracted * module.executions(name)
+            flops["f32" if "f32" in (lhs[0], rhs[0]) else "other"] += work
+    return flops["f32"] / (flops["f32"] + flops["other"])
+
+
+@pytest.mark.parametrize("chunks", [1, pytest.param(4, marks=pytest.mark.slow)])
+def test_bf16_step_runs_the_output_projection_backward_in_bf16(session_for, chunks):
+    """A model whose step is mostly the output projection (vocabulary 4096, width 64): its fp32 logits'
+    gradient re-enters the backward matmuls in bf16 (the policy's output_grad), so next to no matmul
+    FLOPs have fp32 operands (autodiff's fp32 gradient would make 2/3 of the projection's fp32: over
+    half the step). Compile only, with and without loss chunks."""
+    session = session_for("model.vocab_size=4096", "model.d_model=64", "model.n_layers=1", "model.d_ff=128",
+                          "model.seq_len=64", "train.batch_size=8", "mesh.data=8", "mesh.tensor=1",
+                          "train.precision=bf16", "model.tie_embeddings=false", f"train.loss_chunks={chunks}")
+    assert session.precision.output_grad == "bfloat16"
+    assert _fp32_matmul_share(Trainer(session)) < 0.02

@@ -87,7 +87,8 @@ def test_a_module_without_the_block_protocol_trains_whole(tmp_path, layout):
 
 
 @pytest.mark.parametrize("setting, words", [("train.remat=full", "train.remat=full needs the model's layers"),
-                                            ("mesh.stage=2", "mesh.stage > 1 needs the model's layers")])
+                                            ("mesh.stage=2", "mesh.stage > 1 needs the model's layers"),
+                                            ("train.loss_chunks=2", "train.loss_chunks=2 needs the model's layers")])
 def test_per_layer_features_need_the_block_protocol(tmp_path, setting, words):
     from jaxpar.train.trainer import Trainer
 

@@ -195,3 +195,15 @@ def test_ulp_noise_routes_near_ties_alike(router):
         assert (np.argsort(-probs, axis=1, kind="stable") != np.argsort(-noisy_probs, axis=1, kind="stable")).any()
     else:  # each token's exact ranking of the experts
         assert (np.argmax(probs, axis=-1) != np.argmax(noisy_probs, axis=-1)).any()
+
+
+@pytest.mark.parametrize("shape", [(G, S, E), (16, 256, 8)])
+def test_every_selection_key_is_a_bfloat16_value_in_a_compiled_router(shape):
+    """Rounded inside the compiled program too: XLA:CPU fuses the softmax of a (16, 256, 8) batch so
+    that a cast to bfloat16 and back is dropped (the keys came out exact fp32 and ranked near-ties
+    by ulp noise); every key is a bfloat16 value however the program is fused."""
+    import jax
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=shape).astype(np.float32))
+    keys = np.asarray(jax.jit(lambda x: routers.selection_key(jax.nn.softmax(x, axis=-1)))(logits))
+    assert np.array_equal(keys, keys.astype(ml_dtypes.bfloat16).astype(np.float32))

@@ -64,6 +64,13 @@ def test_default_model_learns_from_a_tokenized_folder_with_periodic_validation(d
     assert summary["sample"].startswith("The ") and len(summary["sample"]) > 40
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "validation loss" in done.stdout and "sample:" in done.stdout
+    # the machine the tokens/s came from, and the MFU against its measured fp32 matmul rate
+    machine = summary["machine"]
+    assert machine["processor"] and machine["platform"] == "cpu" and machine["native_bf16"] in (True, False)
+    assert summary["peak_flops"] == machine["matmul_flops"]["float32"] > 0
+    assert summary["mfu"] == pytest.approx(summary["model_flops_per_token"] * summary["tokens_per_s_median"]
+                                           / summary["peak_flops"]) and summary["mfu"] > 0
+    assert f"MFU {summary['mfu']:.1%} (measured 2048^3 float32 matmul)" in done.stdout
 
 
 @pytest.mark.slow

@@ -24,9 +24,11 @@ from jaxpar.folders import is_free, new_folder
 from jaxpar.interop.hf_config import config_for, family_of
 from jaxpar.interop.hf_weights import load_params, open_checkpoint, save_params
 from jaxpar.model import Transformer
+from jaxpar.validation import with_derived
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}
+ONE_DEVICE = {"data": 1, "tensor": 1, "expert": 1, "stage": 1}
 
 
 def _dtype_name(dtype: str) -> str:
@@ -41,7 +43,7 @@ def load(folder: str | Path, dtype: str = "float32", progress: bool = False, **o
     `dtype` ('float32' or 'bfloat16'), and its Config (`overrides`: other dotted keys, such as
     **{"model.seq_len": 4096}). Calling the model on int tokens (B, L) returns fp32 logits (B, L, V)."""
     wanted = NUMPY_DTYPES[_dtype_name(dtype)]
-    cfg = config_for(folder, **overrides)
+    cfg = with_derived(config_for(folder, **overrides), ONE_DEVICE)  # an MoE's routing group size filled in
     checkpoint = open_checkpoint(cfg.model)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -1,5 +1,6 @@
 """Hugging Face `config.json` <-> jaxpar's `model.*` keys, for the Llama, Mistral, Qwen 2/2.5 and Qwen 3
-families. Pure Python (no jax): the CLI resolves `model.from_hf` while it reads the config.
+families and the Mixtral and Qwen3-MoE mixtures of experts. Pure Python (no jax): the CLI resolves
+`model.from_hf` while it reads the config.
 
 Reading: each supported field becomes a `model.*` value; a field jaxpar cannot honour (an output
 bias, a non-SiLU activation, an unknown RoPE type, sliding-window attention shorter than the
@@ -20,12 +21,14 @@ from jaxpar.config import Config, ConfigError, ModelConfig, apply_overrides, fla
 from jaxpar.errors import UserError
 
 CONFIG_FILE = "config.json"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
 # Mistral's architecture is Llama's (its sliding window aside): a model from a Mistral checkpoint exports as one
-SAME_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SAME_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+                     "qwen3_moe": "qwen3_moe"}
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -75,10 +78,50 @@ def _rope(hf: dict, where: Path) -> dict[str, object]:
     return keys
 
 
+def moe_settings(hf: dict, where: Path) -> dict[str, object]:
+    """The `model.moe.*` values of a Mixtral or Qwen3-MoE config. Both compute every routed token (no
+    capacity: `dropless`), score by softmax and take the top k without noise; Mixtral renormalises the
+    chosen weights, Qwen3-MoE when norm_topk_prob. router_aux_loss_coef is not read: it weighs Switch's
+    balance loss (E x sum f_e P_e), not the CV^2 loss of jaxpar's top-k routers, so model.moe.aux_loss_weight
+    stays a training setting."""
+    mixtral = hf["model_type"] == "mixtral"
+    # Qwen3-MoE's published files say num_experts; transformers 5 writes num_local_experts (Mixtral's name)
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    top_k = hf.get("num_experts_per_tok")
+    width = hf["intermediate_size"] if mixtral else hf.get("moe_intermediate_size")
+    if not (isinstance(experts, int) and isinstance(top_k, int) and 0 < top_k <= experts and isinstance(width, int)):
+        raise CheckpointError(f"{where} needs integers num_experts (or num_local_experts) > 0, num_experts_per_tok "
+                              f"between 1 and it{'' if mixtral else ' and moe_intermediate_size'}.")
+    return {"model.moe.experts": experts, "model.moe.every": 1 if mixtral else _moe_every(hf, where),
+            "model.moe.router": "dropless", "model.moe.top_k": top_k, "model.moe.mlp": "swiglu",
+            "model.moe.d_ff": width, "model.moe.score": "softmax",
+            "model.moe.renormalize": mixtral or bool(hf.get("norm_topk_prob", False)), "model.moe.routed_scale": 1.0,
+            "model.moe.shared": 0, "model.moe.balance": "aux", "model.moe.noise": False}
+
+
+def _moe_every(hf: dict, where: Path) -> int:
+    """Qwen3-MoE's sparse layers (each (i + 1)-th that decoder_sparse_step divides, less mlp_only_layers)
+    as model.moe.every, which makes layers every-1, 2 x every-1, ... MoE; raises CheckpointError when
+    they are no such pattern."""
+    step, dense, layers = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or [], hf["num_hidden_layers"]
+    if not isinstance(step, int) or step <= 0 or not isinstance(dense, list):
+        raise CheckpointError(f"{where} needs a positive integer decoder_sparse_step and a list mlp_only_layers.")
+    theirs = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    if layers % step or not theirs or theirs != [i for i in range(layers) if (i + 1) % step == 0]:
+        raise CheckpointError(f"{where}'s experts are in layers {theirs} (decoder_sparse_step={step}, "
+                              f"mlp_only_layers={dense}), which is not every k-th of its {layers} layers as "
+                              f"model.moe.every needs.")
+    return step
+
+
 def model_settings(hf: dict, where: Path) -> dict[str, object]:
     """The `model.*` values a Hugging Face config gives; raises CheckpointError for what jaxpar cannot
     represent."""
     family = hf.get("model_type")
+    if family == "qwen2_moe":
+        raise CheckpointError(f"{where} is a Qwen2-MoE, whose shared expert is scaled by a sigmoid gate "
+                              f"(shared_expert_gate) that jaxpar's shared experts do not have; jaxpar imports "
+                              f"{', '.join(FAMILIES)}.")
     if family not in FAMILIES:
         raise CheckpointError(f"{where} has model_type {family!r}; jaxpar imports {', '.join(FAMILIES)}.")
     missing = [k for k in REQUIRED if not isinstance(hf.get(k), int)]
@@ -93,6 +136,7 @@ def model_settings(hf: dict, where: Path) -> dict[str, object]:
                               f"jaxpar's attention does not have.")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or (128 if family == "qwen3" else hf["hidden_size"] // heads)
+    qk_norm = family in ("qwen3", "qwen3_moe")
     keys = {
         "model.vocab_size": hf["vocab_size"], "model.d_model": hf["hidden_size"], "model.d_ff": hf["intermediate_size"],
         "model.n_layers": hf["num_hidden_layers"], "model.n_heads": heads,
@@ -100,16 +144,16 @@ def model_settings(hf: dict, where: Path) -> dict[str, object]:
         "model.head_dim": head_dim if head_dim * heads != hf["hidden_size"] else 0,
         "model.positions": "rope", "model.mlp": "swiglu", "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "model.qkv_bias": family == "qwen2", "model.qk_norm": family == "qwen3", "model.moe.experts": 0,
-        **_rope(hf, where),
+        "model.qkv_bias": family == "qwen2", "model.qk_norm": qk_norm,
+        **_rope(hf, where), **(moe_settings(hf, where) if family in MOE_FAMILIES else {"model.moe.experts": 0}),
     }
     return keys
 
 
 def sliding_window(hf: dict) -> int | None:
     """The attention window the checkpoint's layers use, or None for full causal attention."""
-    if hf.get("model_type") == "mistral":
-        return hf.get("sliding_window", 4096)
+    if hf.get("model_type") in ("mistral", "mixtral"):  # a window unless null (Mixtral's default)
+        return hf.get("sliding_window", 4096 if hf["model_type"] == "mistral" else None)
     types = hf.get("layer_types") or []
     if hf.get("use_sliding_window") or any(t != "full_attention" for t in types):
         return hf.get("sliding_window") or 0
@@ -148,13 +192,24 @@ def resolve(cfg: Config, given: set[str] = frozenset()) -> Config:
 def family_of(m: ModelConfig) -> str:
     """The Hugging Face family a jaxpar model exports as; raises CheckpointError for one none of them
     can hold."""
+    moe = m.moe
     unsupported = {"model.mlp=gelu": m.mlp != "swiglu", "model.positions=learned": m.positions != "rope",
-                   "model.moe.experts > 0": m.moe.experts > 0,
                    "model.qkv_bias with model.qk_norm": m.qkv_bias and m.qk_norm}
+    if moe.experts:  # Mixtral and Qwen3-MoE: SwiGLU experts, top-k of softmax scores, nothing beside them
+        unsupported.update({
+            "model.moe.mlp=gelu": moe.mlp != "swiglu", f"model.moe.router={moe.router}": not moe.chooses_top_k,
+            "model.moe.score=sigmoid": moe.score != "softmax", f"model.moe.shared={moe.shared}": moe.shared > 0,
+            "model.moe.balance=bias": moe.balance != "aux", "model.qkv_bias with experts": m.qkv_bias,
+            f"model.moe.routed_scale={moe.routed_scale}": moe.routed_scale != 1.0,
+            "experts without model.qk_norm but with model.moe.every > 1 or model.moe.renormalize=false":
+                not m.qk_norm and (moe.every != 1 or not moe.renormalize)})
     asked = [key for key, on in unsupported.items() if on]
     if asked:
         raise CheckpointError(f"a model with {' and '.join(asked)} has no Hugging Face family to export to "
-                              f"({', '.join(FAMILIES)} are SwiGLU, rotary, dense models).")
+                              f"({', '.join(FAMILIES[:4])} are SwiGLU, rotary, dense models; "
+                              f"{' and '.join(MOE_FAMILIES)} add SwiGLU experts chosen top-k by softmax scores).")
+    if moe.experts:
+        return "qwen3_moe" if m.qk_norm else "mixtral"
     return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
 
 
@@ -180,9 +235,23 @@ def hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict:
                "attention_bias": False, "mlp_bias": False}
         if family == "qwen2":
             out.pop("attention_bias")
+        out.update(_moe_fields(m, family))
     out.pop("dtype", None)
     out["torch_dtype"] = dtype
     return out
+
+
+def _moe_fields(m: ModelConfig, family: str) -> dict:
+    """A new Mixtral or Qwen3-MoE config's expert fields, in the published spelling (nothing for a dense family)."""
+    moe = m.moe
+    if family == "mixtral":
+        return {"intermediate_size": m.expert_d_ff, "num_local_experts": moe.experts, "num_experts_per_tok": moe.top_k,
+                "sliding_window": None, "router_jitter_noise": 0.0}
+    if family == "qwen3_moe":
+        return {"num_experts": moe.experts, "num_experts_per_tok": moe.top_k, "moe_intermediate_size": m.expert_d_ff,
+                "norm_topk_prob": moe.renormalize, "decoder_sparse_step": moe.every, "mlp_only_layers": [],
+                "use_sliding_window": False}
+    return {}
 
 
 def settings_of(folder: str | Path) -> dict[str, object]:

@@ -2,11 +2,14 @@
 
 A Hugging Face linear layer stores (out, in) with the heads flattened into `out`; jaxpar stores
 (in, ..., out) with heads as their own dimension, Q/K/V (and SwiGLU's gate/up) fused into slots,
-and every layer stacked on a leading axis. A `TensorMap` says it as data: the source tensors (one
-per slot), how each is reshaped (`split`) and transposed (`perm`) into one slot of one layer, the
-axis the slots stack on, and the vocabulary padding. From that, `read` takes any box of the jaxpar
-parameter (a device's shard) and reads just the rows and columns of the source tensors inside it,
-and `to_sources` turns one layer of a parameter back into the tensors a checkpoint stores.
+every layer stacked on a leading axis, and a mixture of experts' weights with an expert axis next
+(where Mixtral and Qwen3-MoE store one tensor per expert). A `TensorMap` says it as data: the source
+tensors (one per slot), how each is reshaped (`split`) and transposed (`perm`) into one slot of one
+layer (and expert), the axis the slots stack on, the vocabulary padding, and which checkpoint layer
+each stacked one is (an MoE model's scanned unit holds `every` blocks). From that, `read` takes any
+box of the jaxpar parameter (a device's shard) and reads just the rows and columns of the source
+tensors inside it, and `to_sources` turns one layer (and expert) of a parameter back into the
+tensors a checkpoint stores.
 
 Pure NumPy: the checks before compiling and the export use it without jax.
 """
@@ -28,10 +31,14 @@ Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 class TensorMap:
     """One jaxpar parameter as Hugging Face tensors.
 
-    sources: one name per slot ("{layer}" stands for the layer's index when stacked); each has
-    `source_shape`, is reshaped to `split` and transposed by `perm` into one slot of one layer;
-    slot_axis: where the slots stack in one layer's jaxpar shape (None: one source); pad: (axis of
-    one layer's jaxpar shape, rows in the checkpoint, rows in jaxpar) for a padded vocabulary.
+    sources: one name per slot ("{layer}" stands for the checkpoint's layer index when stacked,
+    "{expert}" for the expert's); each has `source_shape`, is reshaped to `split` and transposed by
+    `perm` into one slot of one layer (and expert); no sources: a parameter the checkpoint does not
+    have, read as zeros and not written (noisy top-k's noise weight, unused with the noise off);
+    slot_axis: where the slots stack in one layer's (expert's) jaxpar shape (None: one source); pad:
+    (axis of that shape, rows in the checkpoint, rows in jaxpar) for a padded vocabulary; experts: an
+    expert axis of this size after the layer axis (0: none); stacked layer i is the checkpoint's
+    layer i x layer_step + layer_offset.
     """
 
     path: tuple[str, ...]
@@ -42,6 +49,9 @@ class TensorMap:
     layers: int = 0  # stacked over this many layers (0: not stacked)
     slot_axis: int | None = None
     pad: tuple[int, int, int] | None = None
+    experts: int = 0
+    layer_step: int = 1
+    layer_offset: int = 0
 
     @property
     def piece_shape(self) -> tuple[int, ...]:
@@ -57,16 +67,23 @@ class TensorMap:
         piece = list(self.piece_shape)
         if self.slot_axis is not None:
             piece.insert(self.slot_axis, len(self.sources))
-        return ((self.layers,) if self.layers else ()) + tuple(piece)
+        return ((self.layers,) if self.layers else ()) + ((self.experts,) if self.experts else ()) + tuple(piece)
 
-    def names(self, layer: int | None = None) -> list[str]:
-        """The source tensors' names: of one layer, or of every layer in order."""
+    def names(self, layer: int | None = None, expert: int | None = None) -> list[str]:
+        """The source tensors' names: of one stacked layer (and expert), or of all of them in order."""
         layers = range(max(self.layers, 1)) if layer is None else [layer]
-        return [s.format(layer=i) for i in layers for s in self.sources]
+        experts = range(max(self.experts, 1)) if expert is None else [expert]
+        return [self._name(s, i, e) for i in layers for e in experts for s in range(len(self.sources))]
+
+    def _name(self, slot: int, layer: int, expert: int) -> str:
+        return self.sources[slot].format(layer=layer * self.layer_step + self.layer_offset, expert=expert)
 
     def read(self, read_source, box: Box) -> np.ndarray:
         """The box of the jaxpar parameter, read through read_source(name, source_box) -> array."""
+        if not self.sources:
+            return np.zeros([stop - start for start, stop in box], np.float32)
         layer_range, rest = (box[0], box[1:]) if self.layers else ((0, 1), box)
+        expert_range, rest = (rest[0], rest[1:]) if self.experts else ((0, 1), rest)
         if self.slot_axis is not None:
             slots = range(*rest[self.slot_axis])
             piece_box = rest[:self.slot_axis] + rest[self.slot_axis + 1:]
@@ -74,8 +91,11 @@ class TensorMap:
             slots, piece_box = [0], rest
         layers = []
         for layer in range(*layer_range):
-            pieces = [self._read_piece(read_source, self.sources[s].format(layer=layer), piece_box) for s in slots]
-            layers.append(np.stack(pieces, self.slot_axis) if self.slot_axis is not None else pieces[0])
+            experts = []
+            for expert in range(*expert_range):
+                pieces = [self._read_piece(read_source, self._name(s, layer, expert), piece_box) for s in slots]
+                experts.append(np.stack(pieces, self.slot_axis) if self.slot_axis is not None else pieces[0])
+            layers.append(np.stack(experts) if self.experts else experts[0])
         return np.stack(layers) if self.layers else layers[0]
 
     def _read_piece(self, read_source, name: str, box: Box) -> np.ndarray:
@@ -108,16 +128,17 @@ class TensorMap:
             data = np.pad(data, widths)
         return data
 
-    def to_sources(self, value: np.ndarray, layer: int = 0) -> dict[str, np.ndarray]:
-        """One layer of the parameter (the whole of an unstacked one) as the checkpoint's tensors,
-        padding dropped, by name."""
+    def to_sources(self, value: np.ndarray, layer: int = 0, expert: int = 0) -> dict[str, np.ndarray]:
+        """One stacked layer of the parameter (one expert of it, for an expert map; the whole of an
+        unstacked one) as the checkpoint's tensors, padding dropped, by name."""
         out = {}
-        for s, source in enumerate(self.sources):
+        for s in range(len(self.sources)):
             piece = np.take(value, s, axis=self.slot_axis) if self.slot_axis is not None else value
             if self.pad is not None:
                 piece = np.take(piece, np.arange(self.pad[1]), axis=self.pad[0])
-            out[source.format(layer=layer)] = piece.transpose(np.argsort(self.perm)).reshape(self.source_shape)
+            out[self._name(s, layer, expert)] = piece.transpose(np.argsort(self.perm)).reshape(self.source_shape)
         return out
+
 
 def _groups(source_shape: tuple[int, ...], split: tuple[int, ...]) -> list[tuple[int, int]]:
     """(first split dimension, how many) for each source dimension: the split dimensions whose product
@@ -134,39 +155,79 @@ def _groups(source_shape: tuple[int, ...], split: tuple[int, ...]) -> list[tuple
     return groups
 
 
+# A mixture of experts' tensors in each family: the block's name, then the experts' gate, up and down
+# projections (one tensor per expert; transformers 5 fuses them in memory and writes these names back).
+MOE_TENSORS = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+               "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def moe_family(m: ModelConfig) -> str:
+    """Which family's tensor names an MoE model reads and writes: Qwen3-MoE's (query/key norms) or Mixtral's."""
+    return "qwen3_moe" if m.qk_norm else "mixtral"
+
+
 def tensor_maps(m: ModelConfig) -> list[TensorMap]:
-    """Every parameter of a dense jaxpar Transformer of shape `m`, as Llama/Mistral/Qwen tensors."""
-    D, H, G, K, F, L = m.d_model, m.n_heads, m.kv_heads, m.head_size, m.d_ff, m.n_layers
-    V, padded = m.vocab_size, m.padded_vocab
-    layer, attn = "model.layers.{layer}.", "model.layers.{layer}.self_attn."
+    """Every parameter of a jaxpar Transformer of shape `m`, as Llama/Mistral/Qwen (dense) or
+    Mixtral/Qwen3-MoE tensors."""
+    D, V, padded = m.d_model, m.vocab_size, m.padded_vocab
     maps = [TensorMap(("embedding",), ("model.embed_tokens.weight",), (V, D), (V, D), (0, 1), pad=(0, V, padded)),
             TensorMap(("final_norm", "scale"), ("model.norm.weight",), (D,), (D,), (0,))]
     if not m.tie_embeddings:
         maps.append(TensorMap(("head",), ("lm_head.weight",), (V, D), (V, D), (1, 0), pad=(1, V, padded)))
-    stacked = functools.partial(TensorMap, layers=L)
-    maps += [stacked(("blocks", "attn_norm", "scale"), (layer + "input_layernorm.weight",), (D,), (D,), (0,)),
-             stacked(("blocks", "mlp_norm", "scale"), (layer + "post_attention_layernorm.weight",), (D,), (D,), (0,)),
-             stacked(("blocks", "attn", "wo"), (attn + "o_proj.weight",), (D, H * K), (D, H, K), (1, 2, 0)),
-             stacked(("blocks", "mlp", "w_gate_up"), (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"),
-                     (F, D), (F, D), (1, 0), slot_axis=1),
-             stacked(("blocks", "mlp", "w_down"), (layer + "mlp.down_proj.weight",), (D, F), (D, F), (1, 0))]
+    if not m.moe.experts:
+        return maps + _block_maps(m, ("blocks",), functools.partial(TensorMap, layers=m.n_layers), moe=False)
+    # The scanned unit of an MoE model: `every` blocks, the last one's MLP the experts (jaxpar.model.transformer)
+    every = m.moe.every
+    for j in range(every):
+        stacked = functools.partial(TensorMap, layers=m.n_layers // every, layer_step=every, layer_offset=j)
+        maps += _block_maps(m, ("blocks", "blocks", str(j)), stacked, moe=j == every - 1)
+    return maps
+
+
+def _block_maps(m: ModelConfig, at: tuple[str, ...], stacked, moe: bool) -> list[TensorMap]:
+    """One stacked block's parameters (under the path `at`); stacked(path, ...) makes a TensorMap of it."""
+    D, H, G, K, F = m.d_model, m.n_heads, m.kv_heads, m.head_size, m.d_ff
+    layer, attn = "model.layers.{layer}.", "model.layers.{layer}.self_attn."
+    maps = [stacked((*at, "attn_norm", "scale"), (layer + "input_layernorm.weight",), (D,), (D,), (0,)),
+            stacked((*at, "mlp_norm", "scale"), (layer + "post_attention_layernorm.weight",), (D,), (D,), (0,)),
+            stacked((*at, "attn", "wo"), (attn + "o_proj.weight",), (D, H * K), (D, H, K), (1, 2, 0))]
+    if moe:
+        maps += _expert_maps(m, at, stacked)
+    else:
+        maps += [stacked((*at, "mlp", "w_gate_up"), (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"),
+                         (F, D), (F, D), (1, 0), slot_axis=1),
+                 stacked((*at, "mlp", "w_down"), (layer + "mlp.down_proj.weight",), (D, F), (D, F), (1, 0))]
     qkv = [attn + f"{p}_proj" for p in "qkv"]
     if G == H:
-        maps.append(stacked(("blocks", "attn", "w_qkv"), tuple(n + ".weight" for n in qkv), (H * K, D), (H, K, D),
+        maps.append(stacked((*at, "attn", "w_qkv"), tuple(n + ".weight" for n in qkv), (H * K, D), (H, K, D),
                             (2, 0, 1), slot_axis=1))
         if m.qkv_bias:
-            maps.append(stacked(("blocks", "attn", "b_qkv"), tuple(n + ".bias" for n in qkv), (H * K,), (H, K),
+            maps.append(stacked((*at, "attn", "b_qkv"), tuple(n + ".bias" for n in qkv), (H * K,), (H, K),
                                 (0, 1), slot_axis=0))
     else:
-        maps += [stacked(("blocks", "attn", "w_q"), (qkv[0] + ".weight",), (H * K, D), (H, K, D), (2, 0, 1)),
-                 stacked(("blocks", "attn", "w_kv"), tuple(n + ".weight" for n in qkv[1:]), (G * K, D), (G, K, D),
+        maps += [stacked((*at, "attn", "w_q"), (qkv[0] + ".weight",), (H * K, D), (H, K, D), (2, 0, 1)),
+                 stacked((*at, "attn", "w_kv"), tuple(n + ".weight" for n in qkv[1:]), (G * K, D), (G, K, D),
                          (2, 0, 1), slot_axis=1)]
         if m.qkv_bias:
-            maps += [stacked(("blocks", "attn", "b_q"), (qkv[0] + ".bias",), (H * K,), (H, K), (0, 1)),
-                     stacked(("blocks", "attn", "b_kv"), tuple(n + ".bias" for n in qkv[1:]), (G * K,), (G, K),
+            maps += [stacked((*at, "attn", "b_q"), (qkv[0] + ".bias",), (H * K,), (H, K), (0, 1)),
+                     stacked((*at, "attn", "b_kv"), tuple(n + ".bias" for n in qkv[1:]), (G * K,), (G, K),
                              (0, 1), slot_axis=0)]
     if m.qk_norm:
-        maps += [stacked(("blocks", "attn", f"{p}_norm", "scale"), (attn + f"{p}_norm.weight",), (K,), (K,), (0,))
+        maps += [stacked((*at, "attn", f"{p}_norm", "scale"), (attn + f"{p}_norm.weight",), (K,), (K,), (0,))
                  for p in "qk"]
     return maps
 
+
+def _expert_maps(m: ModelConfig, at: tuple[str, ...], stacked) -> list[TensorMap]:
+    """The router and the experts of an MoE block: the router's (E, D) `gate`, each expert's gate and up
+    projections (F, D) into jaxpar's (E, D, 2, F) and its down projection (D, F) into (E, F, D)."""
+    D, E, F = m.d_model, m.moe.experts, m.expert_d_ff
+    block, gate, up, down = MOE_TENSORS[moe_family(m)]
+    moe, expert = f"model.layers.{{layer}}.{block}.", f"model.layers.{{layer}}.{block}.experts.{{expert}}."
+    maps = [stacked((*at, "mlp", "w_router"), (moe + "gate.weight",), (E, D), (E, D), (1, 0)),
+            stacked((*at, "mlp", "w_gate_up"), (expert + gate + ".weight", expert + up + ".weight"), (F, D), (F, D),
+                    (1, 0), slot_axis=1, experts=E),
+            stacked((*at, "mlp", "w_down"), (expert + down + ".weight",), (D, F), (D, F), (1, 0), experts=E)]
+    if m.moe.chooses_top_k:  # noisy top-k's noise weight: none in the checkpoint, zeros (the noise is off)
+        maps.append(stacked((*at, "mlp", "w_noise"), (), (D, E), (D, E), (0, 1)))
+    return maps

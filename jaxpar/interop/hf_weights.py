@@ -7,9 +7,9 @@ put on the devices that hold it. So a device reads only its own slice of each te
 only its devices' slices, and no whole model is ever built on one host or one device: a
 checkpoint larger than one device's memory loads onto a ZeRO-3 or tensor-parallel layout.
 
-Saving: one layer of one parameter at a time is brought to the host, split into the checkpoint's
-tensors and written into its shard (jaxpar.interop.safetensors), so the host holds one layer of
-one tensor, whatever the model's size.
+Saving: one layer (of one expert, for a mixture of experts) of one parameter at a time is brought to
+the host, split into the checkpoint's tensors and written into its shard (jaxpar.interop.safetensors),
+so the host holds one layer of one tensor, whatever the model's size.
 """
 
 from __future__ import annotations
@@ -110,18 +110,17 @@ def save_params(params, m: ModelConfig, folder: Path, dtype: str, source: Path |
     values = {path_names(path): v.get_value() for path, v in
               jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]}
     maps = tensor_maps(m)
-    owner = {name: (tensor_map, layer) for tensor_map in maps for layer in range(max(tensor_map.layers, 1))
-             for name in tensor_map.names(layer)}
+    owner = {name: (tensor_map, layer, expert) for tensor_map in maps for layer in range(max(tensor_map.layers, 1))
+             for expert in range(max(tensor_map.experts, 1)) for name in tensor_map.names(layer, expert)}
     plan = [(name, tensor_map.source_shape) for tensor_map in maps for name in tensor_map.names()]
     made: dict[str, np.ndarray] = {}
 
     def tensor(name: str) -> np.ndarray:
-        if name not in made:  # one layer of one parameter on the host at a time
-            tensor_map, layer = owner[name]
-            value = values[tensor_map.path]
+        if name not in made:  # one layer (of one expert) of one parameter on the host at a time
+            tensor_map, layer, expert = owner[name]
+            index = ((layer,) if tensor_map.layers else ()) + ((expert,) if tensor_map.experts else ())
             made.clear()
-            made.update(tensor_map.to_sources(np.asarray(value[layer] if tensor_map.layers else value, np.float32),
-                                              layer))
+            made.update(tensor_map.to_sources(np.asarray(values[tensor_map.path][index], np.float32), layer, expert))
         return made[name]
 
     file_dtype = DTYPES[_SAFETENSORS_DTYPE[dtype]]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.axes import column_parallel, constrain, param, row_parallel, zeros_param
+from jaxpar.model.axes import column_parallel, constrain, fp32_einsum, param, row_parallel, zeros_param
 from jaxpar.model.flash import flash_attention
 from jaxpar.model.layers import RMSNorm, rope_frequencies, rotary
 from jaxpar.model.segments import Segments
@@ -164,7 +164,7 @@ def dot_attention(q_BLHK: jax.Array, k_BPHK: jax.Array, v_BPHK: jax.Array,
     """softmax(q k^T / sqrt(K)) v with the whole L x P score matrix, scores in fp32. visible_LP: which
     keys each query sees, (L, P) or per row and broadcast over heads (B, 1, L, P) (default causal, L = P)."""
     L, K = q_BLHK.shape[1], q_BLHK.shape[-1]
-    scores_BHLP = jnp.einsum("BLHK,BPHK->BHLP", q_BLHK, k_BPHK, preferred_element_type=jnp.float32) / math.sqrt(K)
+    scores_BHLP = fp32_einsum("BLHK,BPHK->BHLP", q_BLHK, k_BPHK) / math.sqrt(K)
     visible_LP = jnp.tril(jnp.ones((L, L), dtype=bool)) if visible_LP is None else visible_LP
     scores_BHLP = jnp.where(visible_LP, scores_BHLP, jnp.finfo(jnp.float32).min)
     probs_BHLP = jax.nn.softmax(scores_BHLP, axis=-1).astype(q_BLHK.dtype)

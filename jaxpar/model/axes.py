@@ -41,6 +41,8 @@ class ModelHooks(Protocol):
 
     def row_parallel(self, equation: str, h: jax.Array, w: jax.Array, names: tuple) -> jax.Array: ...
 
+    def fp32_einsum(self, equation: str, a: jax.Array, b: jax.Array) -> jax.Array: ...
+
 
 _hooks: contextvars.ContextVar[ModelHooks | None] = contextvars.ContextVar("jaxpar_layout", default=None)
 
@@ -140,6 +142,15 @@ def row_parallel(equation: str, h: jax.Array, weight: nnx.Variable, h_names: tup
     if hooks is None:
         return jax.numpy.einsum(equation, h, w)
     return hooks.row_parallel(equation, h, w, (h_names, weight_names(weight, w.ndim), out_names))
+
+
+def fp32_einsum(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum(equation, a, b) accumulated and returned in fp32 whatever the operands' dtype (attention
+    scores); a layout's hooks take its gradient back in the precision policy's output_grad dtype."""
+    hooks = _hooks.get()
+    if hooks is None:
+        return jax.numpy.einsum(equation, a, b, preferred_element_type=jax.numpy.float32)
+    return hooks.fp32_einsum(equation, a, b)
 
 
 @contextlib.contextmanager

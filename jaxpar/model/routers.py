@@ -151,8 +151,12 @@ def selection_key(scores: jax.Array) -> jax.Array:
     and `top_k` / `argmax` break the tie by index (the lower wins), the same on every layout; a
     flip now needs fp32 noise to straddle a bf16 rounding boundary, about 1e-7 / 4e-3 of the
     time per compared value. The gates stay the exact fp32 scores of the chosen entries.
+
+    The rounding is `reduce_precision`, not a cast to bfloat16 and back: XLA may drop such a pair of
+    casts (xla_allow_excess_precision, on by default), and XLA:CPU does inside the fused softmax of
+    larger routing batches (a (16, 256, 8) one on jax 0.12), which left the keys exact fp32 there.
     """
-    return scores.astype(jnp.bfloat16).astype(jnp.float32)
+    return jax.lax.reduce_precision(scores, exponent_bits=8, mantissa_bits=7)
 
 
 def expert_choice(logits_GNE: jax.Array, C: int):

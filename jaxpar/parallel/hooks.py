@@ -32,8 +32,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.model.axes import path_names
+from jaxpar.model.matmul import wide_einsum
 from jaxpar.parallel.layout import Layout
-from jaxpar.parallel.reductions import scattered
+from jaxpar.parallel.reductions import moved_as_bits, scattered
 from jaxpar.parallel.rules import logical_to_spec
 from jaxpar.parallel.zero import without_axes
 
@@ -85,11 +86,17 @@ class _Hooks:
 
     # ---- the matmuls into and out of a tensor-parallel region -----------------------------
     def column_parallel(self, equation, x, w, names, out_dtype=None):
-        """A column-split matmul. Under sequence parallelism the residual stream x arrives split
-        along the sequence and is all-gathered first (its gradient reduce-scattered back)."""
+        """A column-split matmul (a wider out_dtype's gradient back in the layout's output_grad_dtype:
+        jaxpar.model.matmul). Under sequence parallelism the residual stream x arrives split along the
+        sequence and is all-gathered first (its gradient reduce-scattered back)."""
         if not self._sequence_by_hand():
-            return jnp.einsum(equation, x, w, preferred_element_type=out_dtype)
+            return wide_einsum(equation, x, w, out_dtype, self.layout.output_grad_dtype)
         return self._over_tensor(equation, x, w, names, out_dtype, scatter=False)
+
+    def fp32_einsum(self, equation, a, b):
+        """An einsum accumulated and returned in fp32 (attention scores), its gradient back in the
+        layout's output_grad_dtype."""
+        return wide_einsum(equation, a, b, jnp.float32, self.layout.output_grad_dtype)
 
     def row_parallel(self, equation, h, w, names):
         """A row-split matmul. Under sequence parallelism its partial sums are reduce-scattered
@@ -290,7 +297,7 @@ def _gathered_in(shard, dtype, dim, axes, payload):
     """Forward: the full weight, all-gathered in the compute dtype (half the bytes of fp32 in
     bf16). Backward: its gradient reduce-scattered onto the shard, sent as `payload`
     (parallel.grad_reduce_dtype; fp32 by default whatever the compute dtype), in the shard's dtype."""
-    return jax.lax.all_gather(shard.astype(dtype), axes, axis=dim, tiled=True)
+    return moved_as_bits(lambda x: jax.lax.all_gather(x, axes, axis=dim, tiled=True), shard.astype(dtype))
 
 
 def _gathered_fwd(shard, dtype, dim, axes, payload):

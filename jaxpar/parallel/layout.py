@@ -64,11 +64,12 @@ class Layout:
     weights: Mapping[tuple, WeightPlan]
     layer_weights_at: tuple[str, ...]
     reduce_dtype: object  # the payload of the data-parallel gradient reductions (parallel.grad_reduce_dtype)
+    output_grad_dtype: object  # the fp32 logits' and scores' gradient entering their matmuls' backward
 
     @classmethod
     def build(cls, mesh: jax.sharding.Mesh, abstract_params, layer_weights_at: tuple[str, ...] = ("blocks",),
               zero: int = 0, compute_dtype=jnp.float32, rules: Mapping = RULES,
-              reduce_dtype=jnp.float32) -> Layout:
+              reduce_dtype=jnp.float32, output_grad_dtype=jnp.float32) -> Layout:
         sizes = dict(mesh.shape)
         data_axes = tuple(a for a in data_parallel_axes(rules) if sizes.get(a, 1) > 1)
         pipelined = sizes.get("stage", 1) > 1
@@ -101,7 +102,8 @@ class Layout:
                    batch_ways=batch_ways, manual_data=manual_data,
                    manual=manual_data + (("stage",) if pipelined else ()),
                    traced_batch_shards=1 if manual_data else batch_ways, weights=types.MappingProxyType(weights),
-                   layer_weights_at=tuple(layer_weights_at), reduce_dtype=reduce_dtype)
+                   layer_weights_at=tuple(layer_weights_at), reduce_dtype=reduce_dtype,
+                   output_grad_dtype=output_grad_dtype)
 
     @property
     def sequence_parallel(self) -> bool:

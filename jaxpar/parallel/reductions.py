@@ -31,6 +31,16 @@ def _from_bits(bits: jax.Array, payload) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, payload)
 
 
+def moved_as_bits(move, x: jax.Array) -> jax.Array:
+    """move(x) (an all-gather written by hand) of a 16-bit float x, moved as its bit patterns: XLA:CPU
+    widens a bf16 all-gather to fp32, converting up, sending twice the bytes and converting back; the
+    same values, bit for bit, either way. (Around a sharding constraint the partitioner folds the two
+    bit casts away, and its all-gather is widened as before.)"""
+    if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return move(x)
+    return _from_bits(move(_as_bits(x)), x.dtype)
+
+
 def _devices(axes) -> int:
     return math.prod(jax.lax.axis_size(a) for a in ((axes,) if isinstance(axes, str) else axes))
 

@@ -1,13 +1,15 @@
 """The `cpu` hardware profile, measured on this machine and cached.
 
 Emulated CPU devices share the host's cores, so what a roofline needs is the rate one device
-gets while all of them work: a matmul sharded over every device is timed (fp32 and bf16), as is
-an elementwise op (the bytes a device writes per second, for the memory term), and
-all-reduces timed inside a loop (so that launching the program is not counted) give the fixed
-cost of a collective and the latency of one ring step (16-byte messages over every device and
-over pairs) and the bandwidth (1 MiB over every device). A few seconds; the result is kept in
-$XDG_CACHE_HOME/jaxpar (else ~/.cache/jaxpar), keyed by the processor, the core count, the
-device count and the jax version, so the next search reads it.
+gets while all of them work: a matmul sharded over every device is timed in each compute dtype
+(fp32, bf16, fp16: a run's roofline takes its precision policy's), as is an elementwise op (the
+bytes a device writes per second, for the memory term), and all-reduces timed inside a loop (so
+that launching the program is not counted) give the fixed cost of a collective and the latency
+of one ring step (16-byte messages over every device and over pairs) and the bandwidth (1 MiB
+over every device). The profile also keeps the machine's record (jaxpar.machine: processor,
+native bf16, one whole-machine matmul's rates), which the planner prints with its figures. A few
+seconds; the result is kept in $XDG_CACHE_HOME/jaxpar (else ~/.cache/jaxpar), keyed by the
+processor, the core count, the device count and the jax version, so the next search reads it.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from jaxpar import machine
 from jaxpar.hardware import GPU_PROFILES, Hardware
 
 MATMUL_SHAPE = (1024, 512, 512)  # rows per device x contracted x output: a mid-sized layer's matmul
@@ -28,22 +30,14 @@ ALL_REDUCE_FLOATS = (4, 2 ** 18)  # fp32 elements per device: a message of laten
 LOOP_SHORT, LOOP_LONG = 10, 30
 WRITE_FLOATS = 2 ** 21  # fp32 elements per device written by the elementwise probe (8 MiB, past the caches)
 REPEATS = 7
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes of jaxpar.precision's policies
+PROFILE_FORMAT = 2  # 2: rates by compute dtype, and the machine record (jaxpar.machine)
 
 
 def cache_dir() -> Path:
     """Where jaxpar keeps what it measured or compiled once (calibrations, plans)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "jaxpar"
-
-
-def _processor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux: the platform module's name is the best there is
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _median_seconds(fn, *args) -> float:
@@ -137,20 +131,20 @@ def measure(devices: list) -> Hardware:
     from jax.sharding import Mesh
 
     mesh = Mesh(np.asarray(devices), ("all",))
-    fp32, bf16 = _matmul_rate(mesh, jnp.float32), _matmul_rate(mesh, jnp.bfloat16)
+    rates = {dtype: _matmul_rate(mesh, jnp.dtype(dtype)) for dtype in COMPUTE_DTYPES}
     fixed, step, bandwidth = _collective_costs(devices)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / len(devices)
-    source = (f"measured on {_processor()} ({os.cpu_count()} cores) with {len(devices)} emulated devices, "
+    source = (f"measured on {machine.processor()} ({os.cpu_count()} cores) with {len(devices)} emulated devices, "
               f"jax {jax.__version__}")
-    return Hardware("cpu", {"fp32": fp32, "bf16": bf16, "fp16": bf16}, memory, len(devices), bandwidth, bandwidth,
-                    step, step, False, source, _write_rate(mesh), fixed)
+    return Hardware("cpu", rates, memory, len(devices), bandwidth, bandwidth, step, step, False, source,
+                    _write_rate(mesh), fixed, machine.describe(devices))
 
 
 def _cache_file(devices: list) -> Path:
     import jax
 
-    key = json.dumps([_processor(), os.cpu_count(), len(devices), jax.__version__, MATMUL_SHAPE,
-                      ALL_REDUCE_FLOATS, WRITE_FLOATS])
+    key = json.dumps([machine.processor(), os.cpu_count(), len(devices), jax.__version__, MATMUL_SHAPE,
+                      ALL_REDUCE_FLOATS, WRITE_FLOATS, COMPUTE_DTYPES, PROFILE_FORMAT])
     return cache_dir() / f"cpu-profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

@@ -1,5 +1,6 @@
 """Model FLOPs per token, the numerator of model FLOPs utilization (MFU): what the model needs,
-whatever a layout recomputes or pads."""
+whatever a layout recomputes or pads; and MFU itself, against a GPU's datasheet or a CPU's
+measured matmul rate."""
 
 from __future__ import annotations
 
@@ -15,14 +16,21 @@ def _param_leaves(cfg):
         yield path, leaf.size, tuple(leaf.get_metadata().get("out_sharding") or ())
 
 
-def active_params(cfg) -> int:
+def _lookup_tables(cfg) -> tuple[str, ...]:
+    """The parameters a token looks a row up in instead of multiplying by: learned positions, and the
+    input embedding unless it is tied to the logits."""
+    return ("pos_embedding",) if cfg.model.tie_embeddings else ("embedding", "pos_embedding")
+
+
+def active_params(cfg, lookups: tuple[str, ...] = ()) -> int:
     """Parameters one token uses: all of a dense model; in an MoE layer, the router and the
-    top-k experts (topk and dropless; top-1 for Switch and, on average, capacity_factor for Expert Choice) of E."""
+    top-k experts (topk and dropless; top-1 for Switch and, on average, capacity_factor for Expert Choice) of E.
+    `lookups`: top-level parameters left out."""
     moe = cfg.model.moe
     per_token = (moe.top_k if moe.chooses_top_k else
                  {"switch": 1, "expert_choice": moe.capacity_factor}[moe.router])
     return int(sum(size * (per_token / moe.experts if "expert" in names else 1)
-                   for _, size, names in _param_leaves(cfg)))
+                   for path, size, names in _param_leaves(cfg) if path[0] not in lookups))
 
 
 def matmul_flops_floor(cfg) -> float:
@@ -30,7 +38,7 @@ def matmul_flops_floor(cfg) -> float:
     6 x tokens x the weights that multiply activations (one expert per token in an MoE layer),
     leaving out the lookup tables (the input embedding unless tied to the logits, learned
     positions), vectors (norm scales), attention's own products and any recomputation."""
-    lookups = ("pos_embedding",) if cfg.model.tie_embeddings else ("embedding", "pos_embedding")
+    lookups = _lookup_tables(cfg)
     per_token = 0.0
     for path, size, names in _param_leaves(cfg):
         if path[0] in lookups or len([n for n in names if n != "layers"]) < 2:
@@ -40,7 +48,40 @@ def matmul_flops_floor(cfg) -> float:
 
 
 def flops_per_token(cfg) -> float:
-    """6 * active params (forward + backward matmuls) + 12 * layers * (heads x head width) * seq_len
-    (attention's scores and weighted values)."""
+    """6 * the active params a token multiplies by (forward + backward matmuls; not the lookup tables:
+    an untied model's input embedding, learned positions) + 12 * layers * (heads x head width) * seq_len
+    (attention's scores and weighted values): the model FLOPs of MFU, 6N + 12 L H Q T."""
     m = cfg.model
-    return 6 * active_params(cfg) + 12 * m.n_layers * m.n_heads * m.head_size * m.seq_len
+    return 6 * active_params(cfg, _lookup_tables(cfg)) + 12 * m.n_layers * m.n_heads * m.head_size * m.seq_len
+
+
+def utilization(cfg, tokens_per_s: float, devices: list, compute_dtype: str, record: dict) -> dict:
+    """MFU: flops_per_token x tokens/s over the peak matmul rate in `compute_dtype` (the precision
+    policy's). A GPU with a hardware profile (jaxpar.hardware): its datasheet peak x the devices. A
+    CPU: the machine's measured rate in `record` (jaxpar.machine.describe), which all emulated devices
+    share. Returns the figures and where the peak comes from; mfu is None without a peak."""
+    from jaxpar.hardware import GPU_PROFILES, for_device_kind
+
+    per_token = flops_per_token(cfg)
+    first = devices[0]
+    profile = for_device_kind(first.device_kind) if first.platform == "gpu" else None
+    if profile is not None:
+        peak, source = GPU_PROFILES[profile].peak_flops[compute_dtype] * len(devices), f"{profile} datasheet"
+    elif first.platform == "cpu" and compute_dtype in record["matmul_flops"]:
+        peak = record["matmul_flops"][compute_dtype]
+        source = f"measured {record['matmul_size']}^3 {compute_dtype} matmul"
+    else:
+        peak, source = None, f"no hardware profile for {first.device_kind}"
+    return {"mfu": per_token * tokens_per_s / peak if peak else None, "model_flops_per_token": per_token,
+            "peak_flops": peak, "peak_source": source}
+
+
+if __name__ == "__main__":  # python -m jaxpar.plan.model_flops [CONFIG.yaml] [key=value ...]: one JSON line
+    import json
+    import sys
+
+    from jaxpar.presets import load_config
+
+    yaml = [a for a in sys.argv[1:] if a.endswith((".yaml", ".yml")) and "=" not in a]
+    config = load_config(yaml[0] if yaml else None, [a for a in sys.argv[1:] if a not in yaml])
+    print(json.dumps({"flops_per_token": flops_per_token(config)}))

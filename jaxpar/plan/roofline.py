@@ -2,7 +2,7 @@
 compiled program does (jaxpar.plan.measure_step), not over a formula of the model.
 
     compute  = matmul FLOPs a device executes per step / the profile's peak in the compute dtype
-               (a pipeline: the busiest stage's executed FLOPs);
+               (the precision policy's; a pipeline: the busiest stage's executed FLOPs);
     comm     = sum over collectives of executions x (overhead + (n - 1) x latency + bytes the
                device sends / bandwidth), n the devices in each of its groups (a permute: 2),
                the link being the inter-host one when the op's groups span a mesh axis that
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxpar import precision
 from jaxpar.hardware import Hardware
 from jaxpar.validation import host_split
 
@@ -66,10 +67,11 @@ def collective_seconds(op: dict, hardware: Hardware, across_hosts: set[str], siz
     return op["count"] * (hardware.collective_overhead_s + max(group - 1, 1) * latency + op["wire_bytes"] / bandwidth)
 
 
-def predict(plan: dict, hardware: Hardware, precision: str, idle_fraction: float, across_hosts: set[str],
+def predict(plan: dict, hardware: Hardware, compute_dtype: str, idle_fraction: float, across_hosts: set[str],
             sizes: dict[str, int]) -> Prediction:
-    """The roofline of one compiled step (`plan` from measure_step) on a mesh of axis `sizes`."""
-    compute = max(plan["executed_flops_per_stage"]) / hardware.peak_flops[precision]
+    """The roofline of one compiled step (`plan` from measure_step) on a mesh of axis `sizes`, its
+    matmuls in `compute_dtype` (a jax.numpy name: the precision policy's `compute`)."""
+    compute = max(plan["executed_flops_per_stage"]) / hardware.peak_flops[compute_dtype]
     memory = max(plan["written_bytes_per_stage"]) / hardware.write_bandwidth
     busy = compute + memory
     overlappable = exposed = 0.0
@@ -92,4 +94,4 @@ def hosts_of(hardware: Hardware, n_devices: int) -> int:
 def predict_layout(plan: dict, hardware: Hardware, cfg, sizes: dict[str, int], idle_fraction: float) -> Prediction:
     """`predict` for cfg's layout (mesh axis `sizes`) laid out over the hosts of `hardware`."""
     split = host_split(sizes, cfg.mesh, hosts_of(hardware, math.prod(sizes.values())))
-    return predict(plan, hardware, cfg.train.precision, idle_fraction, host_spanning_axes(sizes, split), sizes)
+    return predict(plan, hardware, precision.of(cfg).compute, idle_fraction, host_spanning_axes(sizes, split), sizes)

@@ -24,6 +24,7 @@ import sys
 import time
 import typing
 
+from jaxpar import precision
 from jaxpar.config import Config, ConfigError, ParallelConfig, TrainConfig
 from jaxpar.errors import UserError
 from jaxpar.hardware import Hardware
@@ -231,7 +232,7 @@ def search(cfg: Config, devices: list, hardware: Hardware, budget: float, fixed:
                         f"{' '.join(f'{k}={v}' for k, v in fixed.items()) or 'these settings'}.")
     from jaxpar.plan.model_flops import matmul_flops_floor
 
-    floor_flops, peak = matmul_flops_floor(cfg), hardware.peak_flops[cfg.train.precision]
+    floor_flops, peak = matmul_flops_floor(cfg), hardware.peak_flops[precision.of(cfg).compute]
     floors = [floor_seconds(floor_flops, ladder, n, peak) for ladder in ladders]
     pool = _Pool(cfg, devices, processes)
     bar = tqdm(total=sum(len(ladder) for ladder in ladders), desc="plan --search", unit="layout",

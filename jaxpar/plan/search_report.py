@@ -3,6 +3,7 @@ overrides that `jaxpar train` takes as they are."""
 
 from __future__ import annotations
 
+from jaxpar import machine
 from jaxpar.errors import UserError
 from jaxpar.plan.search import SearchResult
 from jaxpar.switches import SEARCHED_KEYS
@@ -30,7 +31,8 @@ def table(result: SearchResult, top: int) -> str:
     lines.append(f"{len(ranked)} of {result.enumerated} layouts fit in {result.budget / 1e9:g} GB per device "
                  f"({over} over it); {result.compiled} compiled, {result.cached} from the cache, {result.pruned} "
                  f"left out as unable to enter the top {top}, "
-                 f"{result.seconds:.0f} s; hardware {result.hardware.name} ({result.hardware.source})")
+                 f"{result.seconds:.0f} s; hardware {result.hardware.name} ({result.hardware.source})"
+                 + (f"; machine: {machine.line(result.hardware.machine)}" if result.hardware.machine else ""))
     lines.append("(step = compute + memory + exposed comm + bubble; comm: all collectives; exposed: what compute "
                  "and memory work do not hide)")
     return "\n".join(lines)
@@ -47,10 +49,11 @@ def best_overrides(result: SearchResult) -> dict:
     return {k: ranked[0].overrides[k] for k in SEARCHED_KEYS if k in ranked[0].overrides}
 
 
-def summary(result: SearchResult, best: dict, model_flops_per_step: float, precision: str, devices: int) -> dict:
-    """The JSON line: best, counts, the search's seconds and the best layout's prediction."""
+def summary(result: SearchResult, best: dict, model_flops_per_step: float, compute_dtype: str, devices: int) -> dict:
+    """The JSON line: best, counts, the search's seconds, the best layout's prediction (its MFU against
+    the profile's peak in `compute_dtype`, the precision policy's) and a measured profile's machine."""
     first = result.ranked[0]
-    peak = result.hardware.peak_flops[precision] * devices
+    peak = result.hardware.peak_flops[compute_dtype] * devices
     return {"best": best, "candidates": result.enumerated, "evaluated": len(result.candidates),
             "compiled": result.compiled, "cached": result.cached, "pruned": result.pruned,
             "fit": len(result.ranked),
@@ -58,4 +61,4 @@ def summary(result: SearchResult, best: dict, model_flops_per_step: float, preci
             "memory_budget_bytes": result.budget, "best_layout": first.name,
             "bytes_per_device": first.bytes_per_device, "predicted_step_s": first.prediction.seconds,
             "predicted_mfu": model_flops_per_step / (first.prediction.seconds * peak),
-            "terms_s": first.prediction.to_dict()}
+            "terms_s": first.prediction.to_dict(), "machine": result.hardware.machine}

@@ -309,6 +309,19 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     return _summarize(session, trainer, state, history, log.records, run_dir, board)
 
 
+def _utilization(session: Session, trainer: Trainer, tokens_per_s: float | None) -> dict:
+    """The machine (jaxpar.machine) and the MFU of the median tokens/s (jaxpar.plan.model_flops.utilization).
+    On a CPU, one 2048^3 matmul in the compute dtype is timed now, once per run (about a second)."""
+    from jaxpar import machine
+    from jaxpar.plan.model_flops import utilization
+
+    compute = session.precision.compute
+    record = machine.describe(session.devices, (compute,) if session.devices[0].platform == "cpu" else ())
+    if tokens_per_s is None or trainer.model is not None:  # no step timed, or a model of its own (FLOPs unknown)
+        return {"machine": record, "mfu": None}
+    return {"machine": record, **utilization(session.cfg, tokens_per_s, session.devices, compute, record)}
+
+
 def _nonfinite_message(step: int, name: str, value: float, checkpoints: Checkpoints) -> str:
     if checkpoints.last_step is None:
         where = "there is no checkpoint to go back to"
@@ -356,6 +369,7 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
         "config": cfg.to_dict(),
     }
     if _primary():
+        summary.update(_utilization(session, trainer, summary["tokens_per_s_median"]))
         write_json_atomic(run_dir / "summary.json", summary)
         plot_loss(every_step, val_loss, run_dir / "loss.png")
     return summary

@@ -72,7 +72,7 @@ class StatePlan:
 
         def relayout(rules: dict, zero: int = 0, reduce_dtype=jnp.float32) -> Layout:
             return Layout.build(mesh, abstract_params, stacked_at, zero=zero, compute_dtype=policy.compute_dtype,
-                                rules=rules, reduce_dtype=reduce_dtype)
+                                rules=rules, reduce_dtype=reduce_dtype, output_grad_dtype=policy.dtype("output_grad"))
 
         layout = relayout(rules, cfg.parallel.zero, policy.grad_reduce_dtype)
         strategy = local_sgd.strategy(cfg, session.mesh_sizes)

@@ -20,6 +20,7 @@ from jaxpar.model import is_block_model, layout_hooks
 from jaxpar.model.segments import Segments
 from jaxpar.parallel import Layout, PipelinePlan, StageFns, eval_hooks, gradients
 from jaxpar.precision import PrecisionPolicy
+from jaxpar.train.chunked_loss import chunked_token_losses
 from jaxpar.train.loss_scale import LossScale, all_finite, unless_skipped
 from jaxpar.train.offload import Placement, offloaded_update
 from jaxpar.train.optim import Optimizer
@@ -64,12 +65,30 @@ def _cross_entropy(logits_BLV: jax.Array, batch) -> jax.Array:
 
 def _loss_stats(logits_BLV: jax.Array, batch) -> tuple[jax.Array, dict]:
     """(the mean cross-entropy, {'loss': it, and for a mixture each source's share: PackedRows.by_source})."""
+    return _stats(optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), _targets(batch)),
+                  batch)
+
+
+def _targets(batch) -> jax.Array:
+    """The next-token targets (B, L) of a token array or of packed rows."""
+    return batch.targets_BL if isinstance(batch, PackedRows) else batch[:, 1:]
+
+
+def _stats(losses_BL: jax.Array, batch) -> tuple[jax.Array, dict]:
+    """_loss_stats from each target's cross-entropy: their mean (packed rows: weighted by the step)."""
     if isinstance(batch, PackedRows):
-        losses_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), batch.targets_BL)
         loss = (losses_BL * batch.weights_BL).mean()
         return loss, {"loss": loss, **batch.by_source(losses_BL)}
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), batch[:, 1:]).mean()
+    loss = losses_BL.mean()
     return loss, {"loss": loss}
+
+
+def _head_stats(model: nnx.Module, x_BLD: jax.Array, batch, chunks: int) -> tuple[jax.Array, dict]:
+    """_loss_stats of the logits of a block model's last hidden states, the logits computed `chunks`
+    strided chunks of the sequence at a time (train.loss_chunks; jaxpar.train.chunked_loss)."""
+    if chunks == 1:
+        return _loss_stats(model.logits(x_BLD), batch)
+    return _stats(chunked_token_losses(model, x_BLD, _targets(batch), chunks), batch)
 
 
 def _embedded(model: nnx.Module, batch) -> jax.Array:
@@ -103,10 +122,16 @@ def row_inputs(batch, noise_B: jax.Array | None, places_BR: jax.Array | None = N
     return RowInputs(noise_B, batch.segments() if isinstance(batch, PackedRows) else None, places_BR)
 
 
-def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT, precision: PrecisionPolicy) -> jax.Array:
-    """Mean next-token cross-entropy over the batch (a token array or packed rows), computed in fp32."""
+def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT, precision: PrecisionPolicy,
+               loss_chunks: int = 1) -> jax.Array:
+    """Mean next-token cross-entropy over the batch (a token array or packed rows), computed in fp32
+    (a block model's logits `loss_chunks` chunks of the sequence at a time: train.loss_chunks)."""
     batch = weighted(tokens_BT)
-    return _cross_entropy(_logits(_model(graphdef, params, precision), batch), batch)
+    model = _model(graphdef, params, precision)
+    if loss_chunks == 1 or not is_block_model(model):
+        return _cross_entropy(_logits(model, batch), batch)
+    x_BLD, _ = _run_blocks(model, _embedded(model, batch), None, None, row_inputs(batch, None))
+    return _head_stats(model, x_BLD, batch, loss_chunks)[0]
 
 
 def routing_terms(routing: dict, moe) -> tuple[jax.Array, dict]:
@@ -144,7 +169,7 @@ def objective(model: nnx.Module, tokens_BT, rows: RowInputs, t: TrainConfig, moe
     if not is_block_model(model):
         return _loss_stats(_logits(model, tokens_BT), tokens_BT)
     x_BLD, routing = _run_blocks(model, _embedded(model, tokens_BT), scan, None, rows)
-    loss, stats = _loss_stats(model.logits(x_BLD), tokens_BT)
+    loss, stats = _head_stats(model, x_BLD, tokens_BT, t.loss_chunks)
     if not routing:
         return loss, stats
     aux, sums = routing_terms(routing, moe)
@@ -166,7 +191,7 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPo
         cast=precision.cast_to_compute,
         embed=lambda p, tokens_bT: _embedded(model(p), tokens_bT),
         layers=layers,
-        head_loss=lambda p, x_bLD, tokens_bT: _cross_entropy(model(p).logits(x_bLD), tokens_bT) * scale,
+        head_loss=lambda p, x_bLD, tokens_bT: _head_stats(model(p), x_bLD, tokens_bT, t.loss_chunks)[0] * scale,
     )
 
 
@@ -305,11 +330,12 @@ def _is_bias(path) -> bool:
     return "router_bias" in jax.tree_util.keystr(path)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, precision: PrecisionPolicy, layout: Layout, pipeline: PipelinePlan):
+def make_eval_step(graphdef: nnx.GraphDef, precision: PrecisionPolicy, layout: Layout, pipeline: PipelinePlan,
+                   loss_chunks: int = 1):
     """Build `(params, batch) -> loss` for validation (traced outside shard_map, layers in model order)."""
 
     def eval_step(params, tokens_BT):
         with layout_hooks(eval_hooks(layout)):
-            return token_loss(graphdef, pipeline.to_model_order(params), tokens_BT, precision)
+            return token_loss(graphdef, pipeline.to_model_order(params), tokens_BT, precision, loss_chunks)
 
     return eval_step

@@ -16,7 +16,7 @@ def compile_steps(plan: StatePlan, trace_routing: bool = False):
                                                     plan.pipeline, plan.precision, trace_routing))
     step = jax.jit(train_step, in_shardings=(plan.state_shardings, plan.batch_sharding),
                    out_shardings=(plan.state_shardings, plan.replicated), donate_argnums=0)
-    eval_step = make_eval_step(plan.graphdef, plan.precision, plan.layout, plan.pipeline)
+    eval_step = make_eval_step(plan.graphdef, plan.precision, plan.layout, plan.pipeline, plan.cfg.train.loss_chunks)
     eval_loss = jax.jit(lambda params, tokens_BT: eval_step(plan.weights(params), tokens_BT),
                         in_shardings=(plan.state_shardings.params, plan.batch_sharding), out_shardings=plan.replicated)
     return step, eval_loss
