@@ -11,6 +11,7 @@ one that loses a process for good, goes on with the other on a re-planned layout
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -249,7 +250,18 @@ def _launch(tmp_path: Path, run_dir: Path, flags: list[str], *settings: str) -> 
     script = f"import sys; sys.executable = {str(wrapper)!r}; from jaxpar.cli import main; sys.exit(main({args!r}))"
     with open(f"{run_dir}.err", "w") as err:
         return subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
-                                env={**os.environ, "JAXPAR_TEST_HOLD": str(hold)})
+                                env={**os.environ, "JAXPAR_TEST_HOLD": str(hold)}, start_new_session=True)
+
+
+def _end(launcher: subprocess.Popen, run_dir: Path) -> None:
+    """Kill what is left of a launched run (the launcher and its processes: one process group) and its
+    in-memory copies, whether the test passed or not."""
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    launcher.wait()
+    shutil.rmtree(run_folder(run_dir), ignore_errors=True)
 
 
 def _logged(run_dir: Path) -> list[int]:
@@ -321,7 +333,7 @@ def test_three_kills_during_replication_between_saves_and_during_a_save_lose_not
         (hold / f"save-{target}").unlink()
         assert launcher.wait(timeout=TIMEOUT_S) == 0, Path(f"{run_dir}.err").read_text()[-3000:]
     finally:
-        launcher.kill()
+        _end(launcher, run_dir)
     assert held_back == [target - 2]  # the one checkpoint kept is not deleted before the next is complete
     assert _losses(run_dir) == uninterrupted  # exactly
     rows = _events(run_dir)
@@ -352,7 +364,7 @@ def test_an_elastic_run_goes_on_with_the_process_left_and_grows_back(tmp_path, u
         (down / "1").unlink()  # repaired
         assert launcher.wait(timeout=TIMEOUT_S) == 0, Path(f"{run_dir}.err").read_text()[-3000:]
     finally:
-        launcher.kill()
+        _end(launcher, run_dir)
     err = Path(f"{run_dir}.err").read_text()
     assert ("[0] jaxpar: elastic: on 4 devices, train.grad_accum=2 (the config's mesh, the global batch of 16 at 2 "
             "rows a device).") in err
