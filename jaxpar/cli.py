@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from jaxpar.config import ConfigError, flatten_dict
 from jaxpar.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, RunFailed, UserError
@@ -33,13 +34,18 @@ def _load(args: list[str], extra: dict | None = None):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from jaxpar.session import prepare
-
-    session = prepare(_load(args.settings))
+    started = time.time()  # the process's start, for goodput: device setup and restore are part of a (re)start
+    cfg = _load(args.settings, {"run.elastic": True} if args.elastic else None)
+    if cfg.run.elastic:  # the devices first, then the layout for them
+        from jaxpar.plan.replan import prepare_elastic as prepare
+    else:
+        from jaxpar.session import prepare
+    session = prepare(cfg)
+    from jaxpar.goodput import describe
     from jaxpar.train.loop import NonFiniteLoss, train
 
     try:
-        summary = train(session, progress=not args.no_progress)
+        summary = train(session, progress=not args.no_progress, started=started)
     except NonFiniteLoss as e:
         # Not a config mistake: the run diverged, so exit 1 rather than 2.
         print(f"jaxpar: {e}", file=sys.stderr)
@@ -54,7 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         mfu = "" if summary.get("mfu") is None else f", MFU {summary['mfu']:.1%} ({summary['peak_source']})"
         print(f"\nfinal train loss {summary['final_loss']:.4f} (first step {summary['first_loss']:.4f}), "
               f"validation loss {summary['val_loss']:.4f}, {summary['tokens_per_s_median']:.0f} tokens/s (median)"
-              f"{mfu}")
+              f"{mfu}, {describe(summary['goodput'])}")
     else:
         print(f"\nvalidation loss {summary['val_loss']:.4f}")
     if summary["sample"] is not None:
@@ -209,10 +215,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from jaxpar.elastic import check_restart_flags
     from jaxpar.launch import launch
+    from jaxpar.validation import check_launch_flags
 
     command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
-    return launch(args.processes, command, args.devices_per_process, args.grace, args.verbose)
+    check_launch_flags(args.processes, args.devices_per_process, command)
+    cfg = _load([a for a in command[1:] if not a.startswith("--")]) if command[0] == "train" else None
+    check_restart_flags(args.restarts, args.elastic, args.min_processes, args.regrow_after, args.health_check,
+                        args.backoff, args.processes, args.devices_per_process, command, cfg)
+    if not args.restarts:
+        return launch(args.processes, command, args.devices_per_process, args.grace, args.verbose)
+    from pathlib import Path
+
+    from jaxpar.supervisor import Policy, Supervisor
+
+    policy = Policy(args.restarts, args.backoff, args.elastic, args.min_processes or 1, args.regrow_after,
+                    args.health_check)
+    command = [*command, "run.elastic=true"] if args.elastic else command
+    return Supervisor(policy, args.processes, command, args.devices_per_process, args.grace, args.verbose,
+                      Path(cfg.run.dir)).run()
 
 
 MAX_SEARCH_PROCESSES = 4  # each compiling process holds its own jax and XLA (about 1 GB)
@@ -232,6 +254,7 @@ def _add_command(sub, name: str, run, help: str, reads_config: bool = False, **o
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for all subcommands."""
     from jaxpar.launch import DEFAULT_GRACE_S
+    from jaxpar.supervisor import add_restart_flags
     from jaxpar.validation import LAUNCHABLE_COMMANDS
 
     parser = argparse.ArgumentParser(prog="jaxpar", description="Train transformer LMs across many devices with JAX.")
@@ -239,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add_command(sub, "train", cmd_train, "train a model and write metrics, summary, plot and a sample",
                      reads_config=True)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--elastic", action="store_true", help="run.elastic=true: on another device count than the "
+                                                          "checkpoint's, re-plan the layout and keep the global batch")
     _add_plan(sub)
     p = _add_command(sub, "schedule", cmd_schedule, "draw a pipeline schedule and print its idle fraction")
     p.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved or 2bw")
@@ -282,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds the others get to stop by themselves after one process fails "
                         f"(default {DEFAULT_GRACE_S:g})")
     p.add_argument("--verbose", action="store_true", help="also show the JAX runtime's own log lines")
+    add_restart_flags(p)
     p.add_argument("command_args", nargs=argparse.REMAINDER, help="-- then the jaxpar command and its settings")
     return parser
 

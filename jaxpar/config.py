@@ -209,15 +209,15 @@ class CheckpointConfig:
     every: int = 0
     keep: int = 3
     async_: bool = dataclasses.field(default=True, metadata={"key": "async"})
+    local_every: int = 0  # every N steps also a copy in host memory (and one peer's), restored first; 0 = off
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where tokens come from: 'builtin', a .txt file or folder of them, a uint16 .bin file, or a
-    tokenized folder; and how rows are cut from them. packing: 'none' cuts windows anywhere in the
-    token stream; 'concat' cuts them too but keeps each document to itself (attention, positions,
-    loss); 'pack' places whole documents into rows, padding the rest (jaxpar.data.packing). Both need
-    documents: 'builtin' (a document per topic) or a folder `jaxpar tokenize` wrote."""
+    """Where tokens come from: 'builtin', a .txt file or folder of them, a uint16 .bin file, or a tokenized
+    folder; and how rows are cut from them. packing: 'none' cuts windows anywhere in the token stream; 'concat'
+    cuts them too but keeps each document to itself (attention, positions, loss); 'pack' places whole documents
+    into rows, padding the rest (jaxpar.data.packing). Both need documents ('builtin', or `jaxpar tokenize`'s)."""
 
     source: str = "builtin"
     val_fraction: float = 0.05
@@ -228,13 +228,13 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Output folder, device selection ('auto', or a device count) and, for multi-process runs,
-    how long a silent process may go before the others declare it lost (seconds)."""
+    """Output folder, devices ('auto' or a count), how long a silent peer process may go (s), elastic layouts."""
 
     dir: str = "runs/default"
     devices: int | str = "auto"
     heartbeat_timeout: float = 30.0
     tensorboard: bool = False  # also write the metrics as TensorBoard event files under <dir>/tensorboard
+    elastic: bool = False  # on another device count than before: re-plan the layout, keep the global batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ lost process and exits) before they are killed, so the launcher never hangs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from jaxpar import distributed
 from jaxpar.errors import EXIT_LOST, EXIT_USAGE
@@ -94,99 +96,171 @@ def _describe(rc: int) -> str:
     return f"exited with code {rc}"
 
 
-def _child_env(index: int, processes: int, devices_per_process: int | None, port: int) -> dict:
+def _child_env(slot: int, rank: int, processes: int, devices_per_process: int | None, port: int,
+               attempt: int | None = None) -> dict:
+    """The environment of the process of `slot` (its GPUs), the `rank`-th of `processes` in this attempt."""
     from jaxpar.runtime import has_accelerator_plugin
 
     env = dict(os.environ)
     env.update({distributed.ENV_COORDINATOR: f"127.0.0.1:{port}", distributed.ENV_NUM_PROCESSES: str(processes),
-                distributed.ENV_PROCESS_ID: str(index), "PYTHONUNBUFFERED": "1"})
+                distributed.ENV_PROCESS_ID: str(rank), distributed.ENV_SLOT: str(slot), "PYTHONUNBUFFERED": "1"})
+    if attempt is not None:
+        env[distributed.ENV_ATTEMPT] = str(attempt)
     if devices_per_process:
         env[distributed.ENV_LOCAL_DEVICES] = str(devices_per_process)
         if has_accelerator_plugin():  # one multi-GPU box: give each process its own GPUs
-            first = index * devices_per_process
+            first = slot * devices_per_process
             env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(first + k) for k in range(devices_per_process))
     return env
+
+
+@dataclasses.dataclass
+class Attempt:
+    """The processes of one start of the run: slot -> child, and their output streams."""
+
+    children: dict[int, subprocess.Popen]
+    streams: dict[int, list]
+    lock: threading.Lock
+
+
+def start(slots: list[int], command: list[str], devices_per_process: int | None, verbose: bool,
+          lock: threading.Lock, attempt: int | None = None) -> Attempt:
+    """Start `jaxpar <command>` once for each of `slots` as one distributed run on a free port."""
+    port = free_port()
+    children, streams = {}, {}
+    for rank, slot in enumerate(slots):
+        child = subprocess.Popen([sys.executable, "-m", "jaxpar", *command], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE,
+                                 env=_child_env(slot, rank, len(slots), devices_per_process, port, attempt))
+        prefix = f"[{slot}] ".encode()
+        pair = [_Stream(child.stdout, sys.stdout, prefix, verbose, lock),
+                _Stream(child.stderr, sys.stderr, prefix, verbose, lock)]
+        for stream in pair:
+            stream.start()
+        children[slot], streams[slot] = child, pair
+    return Attempt(children, streams, lock)
 
 
 def launch(processes: int, command: list[str], devices_per_process: int | None = None,
            grace: float = DEFAULT_GRACE_S, verbose: bool = False) -> int:
     """Run `jaxpar <command>` in `processes` local processes; return the launcher's exit code."""
     check_launch_flags(processes, devices_per_process, command)
-    port = free_port()
     lock = threading.Lock()
-    children, streams = [], []
-    for index in range(processes):
-        child = subprocess.Popen([sys.executable, "-m", "jaxpar", *command], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, env=_child_env(index, processes, devices_per_process, port))
-        prefix = f"[{index}] ".encode()
-        pair = [_Stream(child.stdout, sys.stdout, prefix, verbose, lock),
-                _Stream(child.stderr, sys.stderr, prefix, verbose, lock)]
-        for stream in pair:
-            stream.start()
-        children.append(child)
-        streams.append(pair)
-    return _supervise(children, streams, grace, lock)
+    return watch(start(list(range(processes)), command, devices_per_process, verbose, lock), grace).code
 
 
-def _say(lock: threading.Lock, message: str) -> None:
+def say(lock: threading.Lock, message: str) -> None:
     with lock:
         print(f"jaxpar launch: {message}", file=sys.stderr, flush=True)
 
 
-def _supervise(children: list, streams: list, grace: float, lock: threading.Lock) -> int:
-    first_failure: tuple[int, int] | None = None
-    deadline = None
-    reported: set[int] = set()
-    interrupted = 0
+@dataclasses.dataclass
+class Outcome:
+    """How an attempt ended: the launcher's exit code, the first failure (slot, return code), whether
+    the user stopped it (a signal to the launcher) and whether `stop_when` did."""
 
-    def forward(signum, frame):
-        nonlocal interrupted
-        interrupted += 1
-        for child in children:
-            if child.poll() is None:
-                # First signal: let each process finish its step and checkpoint; second: stop now.
-                child.send_signal(signal.SIGTERM if interrupted == 1 else signal.SIGKILL)
+    code: int
+    failure: tuple[int, int] | None
+    interrupted: bool
+    stopped: bool
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while any(child.poll() is None for child in children):
-            for index, child in enumerate(children):
+
+class _Forward:
+    """While active, SIGINT/SIGTERM to the launcher go on to the children: the first lets each finish its
+    step and checkpoint, the second stops them now."""
+
+    def __init__(self, attempt: Attempt):
+        self.attempt, self.count = attempt, 0
+
+    def __enter__(self) -> _Forward:
+        self.previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _forward(self, signum, frame) -> None:
+        self.count += 1
+        terminate(self.attempt, signal.SIGTERM if self.count == 1 else signal.SIGKILL)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def terminate(attempt: Attempt, signum: int) -> None:
+    for child in attempt.children.values():
+        if child.poll() is None:
+            child.send_signal(signum)
+
+
+def watch(attempt: Attempt, grace: float, restartable: Callable[[int], bool] = lambda rc: False,
+          stop_when: Callable[[], bool] = lambda: False, tick: Callable[[], None] = lambda: None) -> Outcome:
+    """Wait for the attempt's processes to end. When one fails, the others get `grace` seconds to stop by
+    themselves, unless `restartable(its code)`: then they are killed at once (the run starts again) and only
+    the launcher's restart line reports it. `stop_when()` True asks the processes to stop at a checkpoint
+    (SIGTERM); `tick()` runs every poll."""
+    children, lock = attempt.children, attempt.lock
+    failure, deadline, reported, stopped, quiet = None, None, set(), False, False
+    with _Forward(attempt) as forward:
+        while any(child.poll() is None for child in children.values()):
+            tick()
+            if not stopped and failure is None and not forward.count and stop_when():
+                stopped = quiet = True  # how the processes end now is the stop's doing, not a failure
+                terminate(attempt, signal.SIGTERM)
+            for slot, child in children.items():
                 rc = child.poll()
-                if rc is None or rc == 0 or index in reported:
+                if rc is None or rc == 0 or slot in reported:
                     continue
-                reported.add(index)
-                for stream in streams[index]:
-                    stream.join(timeout=5)
-                _report(lock, index, rc, streams[index], first_failure[0] if first_failure else None)
-                if first_failure is None:
-                    first_failure, deadline = (index, rc), time.monotonic() + grace
+                reported.add(slot)
+                if quiet:
+                    continue
+                if failure is None and restartable(rc):
+                    failure, quiet = (slot, rc), True
+                    terminate(attempt, signal.SIGKILL)
+                    continue
+                _join(attempt, slot)
+                _report(lock, slot, rc, attempt.streams[slot], failure[0] if failure else None)
+                if failure is None:
+                    failure, deadline = (slot, rc), time.monotonic() + grace
             if deadline is not None and time.monotonic() > deadline:
-                for index, child in enumerate(children):
+                for slot, child in children.items():
                     if child.poll() is None:
-                        _say(lock, f"process {index} did not stop {grace:g} s after process {first_failure[0]} "
-                                   f"failed; killing it.")
+                        say(lock, f"process {slot} did not stop {grace:g} s after process {failure[0]} failed; "
+                                  f"killing it.")
                         child.kill()
                 deadline = None
             time.sleep(0.1)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    for index, child in enumerate(children):
-        for stream in streams[index]:
-            stream.join(timeout=5)
-        if child.returncode != 0 and index not in reported:
-            _report(lock, index, child.returncode, streams[index], first_failure[0] if first_failure else None)
-            first_failure = first_failure or (index, child.returncode)
-    if first_failure is None:
-        return 0
-    rc = first_failure[1]
-    return rc if rc > 0 else 128 - rc
+        interrupted = forward.count > 0
+    return _outcome(attempt, failure, reported, interrupted, stopped, quiet)
+
+
+def _join(attempt: Attempt, slot: int) -> None:
+    for stream in attempt.streams[slot]:
+        stream.join(timeout=5)
+
+
+def _outcome(attempt: Attempt, failure, reported: set, interrupted: bool, stopped: bool, quiet: bool) -> Outcome:
+    for slot, child in attempt.children.items():
+        _join(attempt, slot)
+        if child.returncode != 0 and slot not in reported and not quiet:
+            _report(attempt.lock, slot, child.returncode, attempt.streams[slot], failure[0] if failure else None)
+            failure = failure or (slot, child.returncode)
+    if failure is None:
+        return Outcome(0, None, interrupted, stopped)
+    rc = failure[1]
+    return Outcome(rc if rc > 0 else 128 - rc, failure, interrupted, stopped)
 
 
 def _report(lock: threading.Lock, index: int, rc: int, pair: list, lost: int | None) -> None:
-    fatal = next((s.fatal for s in pair if s.fatal), None)
     if rc == EXIT_USAGE:
         return  # a user mistake: process 0 has said what to change
     after = f" after process {lost} was lost" if lost is not None and (rc < 0 or rc == EXIT_LOST) else ""
-    cause = f" (the JAX runtime said: {fatal.split('. ')[0].rstrip('.')})" if fatal else ""
-    _say(lock, f"process {index} {_describe(rc)}{after}{cause}.")
+    say(lock, f"process {index} {_describe(rc)}{after}{_runtime_said(pair)}.")
+
+
+def describe(rc: int, pair: list) -> str:
+    """'was killed by SIGKILL', 'exited with code 3 (the JAX runtime said: ...)'."""
+    return f"{_describe(rc)}{_runtime_said(pair)}"
+
+
+def _runtime_said(pair: list) -> str:
+    fatal = next((s.fatal for s in pair if s.fatal), None)
+    return f" (the JAX runtime said: {fatal.split('. ')[0].rstrip('.')})" if fatal else ""

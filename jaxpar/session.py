@@ -100,10 +100,10 @@ def on_devices(cfg: Config, devices: list) -> Session:
     return Session(with_derived(cfg, sizes), devices, sizes, split, make_mesh(sizes, devices, split))
 
 
-def prepare(cfg: Config) -> Session:
-    """Set up devices (emulated on CPU), validate the config, derive its mesh and load the data;
-    raises UserError."""
-    session = on_devices(cfg, setup_devices(cfg))
+def prepare(cfg: Config, devices: list | None = None) -> Session:
+    """Set up devices (emulated on CPU) unless given, validate the config, derive its mesh and load the
+    data; raises UserError."""
+    session = on_devices(cfg, devices or setup_devices(cfg))
     session.train_data  # noqa: B018 (a missing or unreadable data.source is reported before compiling)
     session.hf_checkpoint  # noqa: B018 (so is a missing, cut-short or misshapen model.from_hf checkpoint)
     return session

@@ -354,8 +354,9 @@ def _validate_run_numbers(cfg: Config) -> None:
     if t.lr_schedule_steps < 0:
         raise ConfigError(f"train.lr_schedule_steps must be 0 (follow train.steps) or positive, "
                           f"got {t.lr_schedule_steps}.")
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep <= 0:
-        raise ConfigError("checkpoint.every must be 0 (off) or positive, and checkpoint.keep positive.")
+    if min(cfg.checkpoint.every, cfg.checkpoint.local_every) < 0 or cfg.checkpoint.keep <= 0:
+        raise ConfigError("checkpoint.every and checkpoint.local_every must be 0 (off) or positive, and "
+                          "checkpoint.keep positive.")
     if t.loss_scale_window <= 0:
         raise ConfigError(f"train.loss_scale_window must be positive, got {t.loss_scale_window}.")
     if not 0 < cfg.data.val_fraction < 1:

@@ -271,3 +271,30 @@ def test_a_fallback_trims_metrics_to_the_restored_step_and_keeps_the_file(tmp_pa
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"step": step, "loss": 10.0 - step} for step in range(1, 5)]
     assert trim_metrics(path, 0, cfg) == [] and path.read_text() == ""  # step 0: emptied, not deleted
+
+
+@pytest.mark.slow
+def test_a_restart_reads_the_in_memory_copy_and_not_the_shared_checkpoint(tmp_path, capsys, reference):
+    from jaxpar.train.local_copy import run_folder
+
+    run_dir = tmp_path / "run"
+    settings = ("checkpoint.every=4", "checkpoint.local_every=1")
+    try:
+        proc, _ = start_training(run_dir, "train.steps=40", *settings)
+        wait_for(lambda: logged_steps(run_dir) >= 6, proc, "step 6")
+        proc.kill()
+        proc.wait()
+        # the newest complete copy (an older one is deleted only after it, so a kill in between leaves both)
+        newest = max(int(p.name) for p in (run_folder(run_dir) / "process-0" / "own").iterdir() if p.name.isdigit())
+        shared = checkpoint_steps(run_dir)
+        assert newest >= 5 and all(step < newest for step in shared)
+        for step in shared:  # a restore that read these would set them aside as damaged
+            shutil.rmtree(run_dir / "checkpoints" / str(step) / "state")
+        code, err = train_here(capsys, run_dir, "train.steps=10", *settings)
+        assert code == 0, err
+        assert f"jaxpar: resuming from the in-memory copy at step {newest} in {run_folder(run_dir)}" in err
+        assert "damaged" not in err and not (run_dir / "damaged_checkpoints").exists()
+        assert metrics(run_dir) == reference[:10]
+        assert not run_folder(run_dir).exists()  # a finished run removes its copies
+    finally:
+        shutil.rmtree(run_folder(run_dir), ignore_errors=True)  # host memory, even when the test fails

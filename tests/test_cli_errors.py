@@ -128,6 +128,19 @@ BAD_FLAGS = {
                                "--devices-per-process must be positive, got 0."),
     "nothing to launch": (["launch", "--processes", "2"], "give the jaxpar command to run after '--', e.g. "
                                                          "'jaxpar launch --processes 2 -- train mesh.tensor=4'."),
+    "restarts without checkpoints": (["launch", "--processes", "2", "--restarts", "3", "--", "train"],
+                                     "--restarts 3 goes on from the last checkpoint, but checkpoint.every=0 writes "
+                                     "none; set checkpoint.every=N (saves are asynchronous, so a small N costs "
+                                     "little)."),
+    "elastic batch that cannot be kept": (
+        ["launch", "--processes", "3", "--devices-per-process", "2", "--restarts", "1", "--elastic", "--", "train",
+         "train.batch_size=12", "checkpoint.every=5"],
+        "an elastic run cannot keep train.batch_size=12 on 4 devices: its 2 rows per device do not divide it over "
+        "data=4; choose a batch size they divide on every device count the run may have."),
+    "elastic flags without --elastic": (["launch", "--processes", "2", "--restarts", "1", "--min-processes", "1", "--",
+                                         "train", "checkpoint.every=5"],
+                                        "--min-processes leaves processes out of a run and takes them back; add "
+                                        "--elastic."),
 }
 
 

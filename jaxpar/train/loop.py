@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import statistics
 import sys
@@ -19,11 +20,15 @@ from tqdm import tqdm
 from jaxpar.charts import plot_loss
 from jaxpar.data.sources import token_source
 from jaxpar.data.token_folder import is_token_folder
-from jaxpar.distributed import StopAgreement, is_secondary
+from jaxpar.distributed import ENV_ATTEMPT, StopAgreement, is_secondary
+from jaxpar.elastic import record_rows
+from jaxpar.goodput import Timeline, current_job, goodput, read_rows
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.local_copy import LocalCopies
 from jaxpar.train.report import append_jsonl, read_jsonl, write_json_atomic, write_jsonl_atomic
 from jaxpar.train.sample import sample_text
+from jaxpar.train.saves import Saves, resume
 from jaxpar.train.tensorboard import TensorBoardWriter
 from jaxpar.train.trainer import Trainer
 
@@ -131,7 +136,7 @@ def trim_metrics(path: Path, step: int, cfg) -> list[dict]:
     return history
 
 
-def train(session: Session, progress: bool = True, model=None, rules=None) -> dict:
+def train(session: Session, progress: bool = True, model=None, rules=None, started: float | None = None) -> dict:
     """Train (resuming from <run.dir>/checkpoints when it holds one), write metrics.jsonl, summary.json
     and loss.png under run.dir, and return the summary.
 
@@ -142,14 +147,14 @@ def train(session: Session, progress: bool = True, model=None, rules=None) -> di
     cannot be restored although it is not damaged (RestoreFailed, nothing moved or trimmed), or
     when the coordinator of a multi-process run stops answering (CoordinatorFailed). The last
     save is on disk before this returns or raises. `model` and `rules`: a module of your own and
-    its rules, as for Trainer.
+    its rules, as for Trainer. `started`: when the process began (time.time()), for goodput.
     """
     cfg = session.cfg
     trainer = Trainer(session, model, rules)
     checkpoints = Checkpoints(Path(cfg.run.dir) / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.async_)
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(checkpoints.close)
-        return _train(session, trainer, checkpoints, progress, cleanup)
+        return _train(session, trainer, checkpoints, progress, cleanup, time.time() if started is None else started)
 
 
 class _StepLog:
@@ -157,8 +162,10 @@ class _StepLog:
     rows to metrics.jsonl (and TensorBoard), moves the progress bar, and stops a run whose loss is no
     longer finite."""
 
-    def __init__(self, session: Session, metrics_path: Path, board, bar, checkpoints: Checkpoints):
+    def __init__(self, session: Session, metrics_path: Path, board, bar, checkpoints: Checkpoints,
+                 timeline: Timeline):
         cfg = session.cfg
+        self.timeline = timeline
         self.cfg, self.metrics_path, self.board, self.bar, self.checkpoints = cfg, metrics_path, board, bar, checkpoints
         self.session = session
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
@@ -182,6 +189,7 @@ class _StepLog:
             del values["replica_spread"]
         now = time.perf_counter()
         step_time, self.last_time = now - self.last_time, now
+        self.timeline.step(step, step_time)
         rows = rows or {}
         real = self.tokens_per_step * rows.get("packing_efficiency", 1.0)
         record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": real / step_time, **rows}
@@ -196,6 +204,10 @@ class _StepLog:
             for name, key in (("loss", "loss"), ("gradient norm", "grad_norm")):
                 if not math.isfinite(values[key]):
                     raise NonFiniteLoss(_nonfinite_message(step, name, values[key], self.checkpoints))
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (a save) out of the time of the step being timed."""
+        self.last_time += seconds
 
 
 def _announce(session: Session) -> None:
@@ -219,10 +231,10 @@ def _row_metrics(session: Session, starts) -> dict:
     return {"packing_efficiency": sampler.efficiency(starts), **shares}
 
 
-def _run_steps(session: Session, trainer: Trainer, checkpoints: Checkpoints, log: _StepLog, state, start: int):
-    """Train from step `start` to train.steps, checkpointing every checkpoint.every steps and at the end;
-    returns (state, the last step taken, the signal that stopped the run or None)."""
-    t, every = session.cfg.train, session.cfg.checkpoint.every
+def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, state, start: int):
+    """Train from step `start` to train.steps, saving as `saves` says and at the end; returns (state, the last
+    step taken, the signal that stopped the run or None)."""
+    t = session.cfg.train
     stopped_by, step = None, start
     agreement = StopAgreement()  # every process of a multi-process run stops at the same step
     with StopSignals() as signals:
@@ -239,32 +251,36 @@ def _run_steps(session: Session, trainer: Trainer, checkpoints: Checkpoints, log
             val = validation_losses(trainer, state.params, session) if _evaluated(step, t) else None
             pending = (step, metrics, val, rows)
             stopping = agreement.should_stop(step, signals.received is not None)
-            if stopping or (every and step % every == 0):
+            if saves.due(step, stopping):
                 # Read this step's metrics first: only a finite step is checkpointed.
                 log.finish(*pending)
                 pending = None
-                checkpoints.save(step, state, trainer)
+                saves.save(step, state, stopping)
             if stopping:
                 stopped_by = signals.received or "a signal to another process"
                 break
         if pending is not None:
             log.finish(*pending)
-    if stopped_by is None and every and start < t.steps and t.steps % every:
-        checkpoints.save(t.steps, state, trainer)
+    if stopped_by is None and start < t.steps:
+        saves.final(t.steps, state)
     return state, step, stopped_by
 
 
 def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progress: bool,
-           cleanup: contextlib.ExitStack) -> dict:
+           cleanup: contextlib.ExitStack, started: float) -> dict:
     cfg = session.cfg
     run_dir = Path(cfg.run.dir)
-    resumed = checkpoints.restore_latest(trainer, _warn)
+    local = LocalCopies(run_dir, cfg.checkpoint.local_every)
+    resumed, source, where = resume(checkpoints, local, trainer, _warn)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
     primary = _primary()
+    if cfg.run.elastic and primary:
+        record_rows(run_dir, cfg, session.mesh_sizes)  # what later starts on other device counts keep
     if resumed is not None:
         state, start = resumed.state, resumed.step
-        _say(f"jaxpar: resuming from the checkpoint at step {start} in {checkpoints.directory}")
+        _say(f"jaxpar: resuming from the {'in-memory copy' if source == 'memory' else 'checkpoint'} at step {start} "
+             f"in {where}")
     else:
         state, start = trainer.init(), 0
     history = trim_metrics(metrics_path, start, cfg) if primary else _kept_metrics(metrics_path, start, cfg)
@@ -275,13 +291,18 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     _announce(session)
     bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps), desc="train", unit="step",
                disable=not (progress and primary), file=sys.stderr, dynamic_ncols=True)
-    log = _StepLog(session, metrics_path, board, bar, checkpoints)
+    timeline = Timeline(run_dir, primary)
+    timeline.start(started, start, source, attempt=os.environ.get(ENV_ATTEMPT), devices=len(session.devices),
+                   processes=jax.process_count(), layout=session.layout_name())
+    log = _StepLog(session, metrics_path, board, bar, checkpoints, timeline)
+    saves = Saves(cfg, trainer, checkpoints, local, timeline, log.exclude)
     try:
-        state, step, stopped_by = _run_steps(session, trainer, checkpoints, log, state, start)
+        state, step, stopped_by = _run_steps(session, trainer, saves, log, state, start)
     finally:
         bar.close()
+    saves.done()
+    timeline.end(step, finished=stopped_by is None)
     if stopped_by is not None:
-        checkpoints.wait()
         _say(f"jaxpar: stopped by {stopped_by} after step {step}; the checkpoint at step {step} is in "
              f"{checkpoints.directory}, and the same command resumes from it.")
         return {"preempted": stopped_by, "step": step, "checkpoint_dir": str(checkpoints.directory)}
@@ -343,6 +364,7 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
         "val_loss": val_loss,
         "tokens_per_s_median": statistics.median(steady) if steady else None,
         "layout": session.mesh_name(),
+        "goodput": goodput(current_job(read_rows(run_dir / "timeline.jsonl")), time.time()) if _primary() else None,
         "sample": sample,
         "config": cfg.to_dict(),
     }
