@@ -49,6 +49,9 @@ def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual:
         raise ConfigError(f"--virtual {virtual} needs --schedule interleaved.")
     if schedule == "interleaved" and microbatches % stages:
         raise ConfigError(f"interleaved 1F1B needs --microbatches to be a multiple of --stages ({stages}).")
+    if schedule == "zbv" and microbatches < stages:
+        raise ConfigError(f"the zbv schedule needs at least as many microbatches as stages, got --microbatches "
+                          f"{microbatches} < --stages {stages}.")
 
 
 def check_launch_flags(processes: int, devices_per_process: int | None, command: list[str]) -> None:
@@ -122,14 +125,20 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"parallel.pipeline.virtual={p.virtual} needs parallel.pipeline.schedule=interleaved.")
     if S == 1:
         return
-    v = p.virtual if p.schedule == "interleaved" else 1
+    v = p.virtual if p.schedule == "interleaved" else 2 if p.schedule == "zbv" else 1
+    if p.schedule == "zbv" and L % (2 * S):
+        raise ConfigError(f"the zbv schedule runs two chunks of layers on each stage: model.n_layers={L} is not "
+                          f"divisible by 2 x mesh.stage = {2 * S}.")
     if L % (S * v):
         raise ConfigError(f"model.n_layers={L} is not divisible by mesh.stage x virtual stages = {S} x {v}.")
     moe = cfg.model.moe
     if moe.experts and moe.every > 0 and (L // moe.every) % (S * v):
         raise ConfigError(f"the {L // moe.every} units of model.moe.every={moe.every} layers are not divisible by "
                           f"mesh.stage x virtual stages = {S} x {v}.")
-    if p.schedule in ("1f1b", "2bw", "interleaved") and p.microbatches < S:
+    if p.schedule in ("zb-h1", "zbv") and p.recompute:
+        raise ConfigError(f"parallel.pipeline.recompute=true is for 1F1B-type schedules; {p.schedule} keeps the "
+                          f"forward's residuals for its split backward (train.remat keeps fewer).")
+    if p.schedule in ("1f1b", "2bw", "interleaved", "zb-h1", "zbv") and p.microbatches < S:
         raise ConfigError(f"the {p.schedule} schedule needs at least as many microbatches as stages, "
                           f"got parallel.pipeline.microbatches={p.microbatches} < mesh.stage={S}.")
     if p.schedule == "interleaved" and p.microbatches % S:
@@ -142,7 +151,8 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by mesh.data x mesh.expert x "
                           f"parallel.pipeline.microbatches = {sizes['data']} x {sizes['expert']} x {p.microbatches}.")
     if ZeroStage(cfg.parallel.zero).slices_replicated_weights and v > 1:
-        raise ConfigError("parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3.")
+        raise ConfigError(f"parallel.zero=2 with {'interleaved stages' if p.schedule == 'interleaved' else 'zbv'} "
+                          f"is not supported; use zero 1 or 3.")
 
 
 def _validate_rope(m) -> None:
