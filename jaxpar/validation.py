@@ -39,8 +39,10 @@ def check_device_count(wanted: int | None, available: int, platform: str, proces
         raise ConfigError(f"run.devices={wanted} but only {available} {platform} devices exist.")
 
 
-def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual: int, schedules: tuple) -> None:
-    """The flags of `jaxpar schedule`: one of `schedules`, positive sizes, and what interleaving needs."""
+def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual: int, schedules: tuple,
+                         costs: str = "1,1,1") -> tuple[float, ...]:
+    """The flags of `jaxpar schedule`: one of `schedules`, positive sizes, what interleaving and zbv
+    need, and --costs: returns its three non-negative numbers F,B,W."""
     if schedule not in schedules:
         raise ConfigError(f"--schedule must be one of {', '.join(schedules)}, got {schedule!r}.")
     if stages < 1 or microbatches < 1 or virtual < 1:
@@ -52,6 +54,10 @@ def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual:
     if schedule == "zbv" and microbatches < stages:
         raise ConfigError(f"the zbv schedule needs at least as many microbatches as stages, got --microbatches "
                           f"{microbatches} < --stages {stages}.")
+    numbers = [float(c) if c.strip().replace(".", "", 1).isdigit() else -1.0 for c in costs.split(",")]
+    if len(numbers) != 3 or min(numbers) < 0 or numbers[0] + numbers[1] <= 0:
+        raise ConfigError(f"--costs must be three non-negative numbers F,B,W with F + B > 0, got {costs!r}.")
+    return tuple(numbers)
 
 
 def check_launch_flags(processes: int, devices_per_process: int | None, command: list[str]) -> None:
@@ -137,7 +143,7 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
                           f"mesh.stage x virtual stages = {S} x {v}.")
     if p.schedule in ("zb-h1", "zbv") and p.recompute:
         raise ConfigError(f"parallel.pipeline.recompute=true is for 1F1B-type schedules; {p.schedule} keeps the "
-                          f"forward's residuals for its split backward (train.remat keeps fewer).")
+                          "forward's residuals for its split backward (train.remat keeps fewer).")
     if p.schedule in ("1f1b", "2bw", "interleaved", "zb-h1", "zbv") and p.microbatches < S:
         raise ConfigError(f"the {p.schedule} schedule needs at least as many microbatches as stages, "
                           f"got parallel.pipeline.microbatches={p.microbatches} < mesh.stage={S}.")

@@ -70,7 +70,7 @@ def test_enumeration_is_valid_deduplicated_and_laddered():
     order = [(r["train.remat"], r["train.grad_accum"]) for r in plain]
     assert order[:4] == [("none", 1), ("none", 2), ("none", 4), ("none", 8)] and order[4] == ("dots", 1)
     schedules = {r["parallel.pipeline.schedule"] for r in rungs if r["mesh.stage"] > 1}
-    assert schedules == {"gpipe", "1f1b", "2bw", "interleaved"}
+    assert schedules == {"gpipe", "1f1b", "2bw", "interleaved", "zb-h1", "zbv"}  # zbv at S=2 only (2S | 4 layers)
     held = enumerate_layouts(cfg, 8, {"mesh.tensor": 2, "parallel.zero": 1})
     assert held and all(r["mesh.tensor"] == 2 and r["parallel.zero"] == 1 for ladder in held for r in ladder)
 

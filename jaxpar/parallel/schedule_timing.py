@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from jaxpar.parallel.schedules import Action, Table
+from jaxpar.parallel.schedules import Action, Table, theoretical_idle_fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,19 @@ def paper_bubble(schedule: str, stages: int, costs: Costs) -> float:
     if schedule == "zb-h1":
         return (stages - 1) * max(F + B - W, 0.0)
     return (stages - 1) * (F + B + W)
+
+
+def formula_idle_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction over the whole step with every action one tick: (S-1)/(v*M+S-1) for GPipe and
+    the 1F1B family; for ZB-H1, 3M ticks of work per stage and the paper's bubble of S-1 ticks,
+    (S-1)/(3M+S-1); for ZB-V (two chunks per stage, 6M ticks of work, no bubble inside a stage's
+    span from M >= 2S-1 on), (S-1)/(6M+S-1): only the S-1 ticks the last stage waits for its first
+    input. No schedule whose stages all start after their first input arrives can idle less."""
+    if schedule == "zb-h1":
+        return (stages - 1) / (3 * microbatches + stages - 1)
+    if schedule == "zbv":
+        return (stages - 1) / (6 * microbatches + stages - 1)
+    return theoretical_idle_fraction(stages, microbatches, virtual)
 
 
 def lockstep_seconds(table: Table, cost: Callable[[Action], float]) -> float:
