@@ -17,7 +17,7 @@ from jaxpar.parallel.schedule_timing import (
 )
 from jaxpar.parallel.schedules import Action, build
 from jaxpar.parallel.split_backward import SplitBackward
-from jaxpar.parallel.stash_slots import Pool, assign
+from jaxpar.parallel.stash_slots import Pool, assign, write_slots
 from jaxpar.train.verify import verify
 
 TABLES = [(schedule, S, M) for schedule in ("zb-h1", "zbv") for S in (2, 3, 4, 8)
@@ -92,6 +92,13 @@ def test_stash_slots_never_hold_two_live_values(schedule):
             assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:]))
     # F to W: the S (zbv: 2S half-size chunks) microbatches in flight on the first stage
     assert slots.count["res"] == 4 * table.virtual
+    # a tick that keeps nothing writes where no value it would destroy lives
+    last = table.stages * table.virtual - 1
+    writes = write_slots(table, slots, "res", lambda a: pools[1].written_by(a, last))
+    for t, row in enumerate(table.ticks):
+        for s, action in enumerate(row):
+            if action is None or action.kind != "F":
+                assert all(not start <= t < end for start, end, slot in slots.lives["res"][s] if slot == writes[t][s])
 
 
 def test_split_backward_divides_the_fused_backward_without_repeating_a_matmul():

@@ -282,10 +282,12 @@ class SplitBackward:
     does not read, listed in `b_inputs` and `w_inputs`, may be None). `input_half(leaves)` ->
     (input cotangents, {weight-gradient leaf index: gradient} for the gradients computed in B,
     the crossing values for W); `weight_half(leaves, crossing)` -> {leaf index: gradient} for the
-    rest. Traced once here; both halves can then run wherever the same values are at hand (other
-    branches of a pipeline's ticks)."""
+    rest. Gradients that are zeros (of weights `fn` does not use) are in neither. Traced once here;
+    both halves can then run wherever the same values are at hand (other branches of a pipeline's
+    ticks)."""
 
-    def __init__(self, fn, *args):
+    def __init__(self, fn, *args, whole: bool = False):
+        """whole: every gradient in B (W empty), still without the zeros."""
         flat = _Flattener()
         closed, (grads, cotangents) = jax.make_jaxpr(fn, return_shape=True)(*args)
         self.prog = prog = flat.program(closed)
@@ -294,8 +296,10 @@ class SplitBackward:
         n = self.grads_tree.num_leaves
         cot_ids = set(_refs(prog.outputs[n:]))
         first = _plan(prog, cot_ids, set(), None, flat.ids)
-        self.in_b = [g for g in range(n) if not _weight_matmuls(prog, prog.outputs[g], first, flat.ids)]
-        self.in_w = [g for g in range(n) if g not in self.in_b]
+        # gradients that are zeros (weights the function does not use) are left out of both halves
+        nonzero = [g for g in range(n) if not _is_zero(prog, prog.outputs[g])]
+        self.in_b = [g for g in nonzero if whole or not _weight_matmuls(prog, prog.outputs[g], first, flat.ids)]
+        self.in_w = [g for g in nonzero if g not in self.in_b]
         self.b = _plan(prog, cot_ids | set(_refs(prog.outputs[g] for g in self.in_b)), set(), None, flat.ids)
         self.w = _plan(prog, set(_refs(prog.outputs[g] for g in self.in_w)), self.b.defined, self.b, flat.ids)
         _link(prog, self.w)
@@ -305,6 +309,7 @@ class SplitBackward:
         self.crossing_shapes = jax.eval_shape(lambda leaves: self.input_half(leaves)[2], jax.tree.leaves(args))
 
     def input_half(self, leaves: list):
+        """(input cotangents, {leaf: gradient computed in B}, crossing values) from the args' leaves."""
         prog = self.prog
         env = {prog.inputs[p]: leaves[p] for p in self.b_inputs}
         _run(prog, self.b, env)
@@ -313,6 +318,7 @@ class SplitBackward:
         return cotangents, {g: _read(prog, env, prog.outputs[g]) for g in self.in_b}, [env[c] for c in self.crossing]
 
     def weight_half(self, leaves: list, crossing: list) -> dict:
+        """{leaf: gradient} of the gradients W computes, from the args' leaves and B's crossing values."""
         prog = self.prog
         env = {prog.inputs[p]: leaves[p] for p in self.w_inputs}
         env.update(zip(self.crossing, crossing))
@@ -325,3 +331,12 @@ def _weight_matmuls(prog: _Program, out, b: _Part, ids) -> bool:
     if not isinstance(out, int) or out in b.defined or out in prog.inputs:
         return False
     return _has_matmul(prog, _plan(prog, {out}, b.defined, b, ids))
+
+
+def _is_zero(prog: _Program, out) -> bool:
+    """Whether an output is a literal zero or a zero broadcast (JAX's gradient of an unused weight)."""
+    if isinstance(out, core.Literal):
+        return not out.val
+    op = next((op for op in prog.ops if out in op.outs), None)
+    return (op is not None and op.eqn.primitive.name == "broadcast_in_dim" and isinstance(op.ins[0], core.Literal)
+            and not op.ins[0].val)

@@ -7,6 +7,11 @@ what B hands to W from B to W. Each kind of value has a pool of slots per device
 the lowest slot free on its stage for its whole life (interval colouring), so a pool holds as
 many slots as the most values of its kind a stage ever keeps at once. Both chunks of a zbv stage
 share their pools: the V's two arms are never at their peaks together.
+
+The SPMD program writes every kept pool at every tick (a `lax.switch` cannot leave a buffer
+out of some branches' results without copying it): a tick whose action keeps nothing there
+writes into a slot that holds nothing it still needs (`write_slots`), which costs one more slot
+only at a tick where every slot does.
 """
 
 from __future__ import annotations
@@ -29,13 +34,19 @@ class Pool:
     end: str
     chunks: str = "all"
 
+    def written_by(self, action: Action, last_chunk: int) -> bool:
+        """Whether `action` itself writes a value of this pool (its F or B), not a neighbour's send."""
+        return action.kind == self.start and _has(self.chunks, action.chunk, last_chunk)
+
 
 @dataclasses.dataclass(frozen=True)
 class Slots:
-    """count[pool]: slots per device; slot[pool][(stage, microbatch, chunk)]: the one a value takes."""
+    """count[pool]: slots per device; slot[pool][(stage, microbatch, chunk)]: the one a value takes;
+    lives[pool][stage]: (start, end, slot) of every value kept there."""
 
     count: dict[str, int]
     slot: dict[str, dict[tuple[int, int, int], int]]
+    lives: dict[str, dict[int, list[tuple[int, int, int]]]]
 
     def of(self, pool: str, stage: int, microbatch: int, chunk: int) -> int:
         return self.slot[pool].get((stage, microbatch, chunk), 0)
@@ -53,10 +64,35 @@ def assign(table: Table, pools: list[Pool]) -> Slots:
                 continue
             span = (_when(pool.start, tick, i, k), _when(pool.end, tick, i, k))
             lives.setdefault(pool.name, []).append((span, (table.stage_of(k), i, k)))
-    count, slot = {}, {}
+    count, slot, spans = {}, {}, {}
     for name, pool_lives in lives.items():
         slot[name], count[name] = _colour(pool_lives)
-    return Slots(count, slot)
+        spans[name] = {}
+        for (start, end), key in pool_lives:
+            spans[name].setdefault(key[0], []).append((start, end, slot[name][key]))
+    return Slots(count, slot, spans)
+
+
+def write_slots(table: Table, slots: Slots, pool: str, writes) -> list[list[int]]:
+    """[tick][stage]: the slot the tick writes in `pool`: its action's own when `writes(action)`,
+    else one whose value is already read or not yet written (a value [start, end] needs its slot
+    from the end of tick `start`, when it is written, through tick `end`, when it is last read);
+    when there is none, one spare slot past the others (`slots.count` grows by one)."""
+    out = []
+    for t, row in enumerate(table.ticks):
+        cells = []
+        for s, action in enumerate(row):
+            if action is not None and writes(action):
+                cells.append(slots.of(pool, s, action.microbatch, action.chunk))
+                continue
+            held = {slot for start, end, slot in slots.lives.get(pool, {}).get(s, []) if start <= t < end}
+            free = next((n for n in range(slots.count.get(pool, 0)) if n not in held), None)
+            if free is None:
+                free = slots.count[pool]
+                slots.count[pool] = free + 1
+            cells.append(free)
+        out.append(cells)
+    return out
 
 
 def _has(chunks: str, k: int, last: int) -> bool:

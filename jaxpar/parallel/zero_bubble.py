@@ -17,10 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.parallel.pipeline import (
-    B_FIRST,
-    B_LAST,
-    F_FIRST,
-    F_LAST,
     TICK_SCOPE,
     Residuals,
     StageFns,
@@ -32,7 +28,7 @@ from jaxpar.parallel.pipeline import (
 )
 from jaxpar.parallel.schedules import Table
 from jaxpar.parallel.split_backward import SplitBackward
-from jaxpar.parallel.stash_slots import Pool, assign
+from jaxpar.parallel.stash_slots import Pool, assign, write_slots
 
 # (first chunk, last chunk) of the F, B and W branches, in BRANCHES' order
 _PLACES = ((True, False), (False, False), (False, True))
@@ -58,7 +54,8 @@ class _Tick:
         self.stash = stash
 
     def kept(self, pool: str) -> list:
-        return [buf[self.slot[pool]] for buf in self.stash[pool]]
+        """The values of `pool` at this action's slot (none when the layout keeps nothing there)."""
+        return [buf[self.slot[pool]] for buf in self.stash.get(pool, [])]
 
 
 class _ZeroBubble:
@@ -85,6 +82,8 @@ class _ZeroBubble:
         head_kept = self.head.shapes(self.compute, self.zeros_x, tokens0)
         self.layers_split = SplitBackward(self._layers_backward, chunk0, layers_kept, ids0, rows0, self.zeros_x)
         self.head_split = SplitBackward(self._head_backward, chunk0, head_kept, tokens0)
+        # the embedding's backward (a scatter-add, no matmul) runs whole in B; this drops its zeros
+        self.embed_backward = SplitBackward(self._embed_backward, chunk0, embed_kept, tokens0, self.zeros_x, whole=True)
         self.n_kept = {"embed": len(embed_kept), "layers": len(layers_kept), "head": len(head_kept)}
         self.stacked = jax.tree.leaves(is_stacked)
         self._plan_pools(embed_kept, layers_kept, head_kept)
@@ -94,6 +93,10 @@ class _ZeroBubble:
         """(the chunk's weight gradients, the cotangent of its input) from its residuals and dy."""
         return self.layers.pullback(stored, p, self.zeros_x, ids, rows)((dy, self.d_aux))
 
+    def _embed_backward(self, p, stored, tokens, dx):
+        """(the embedding's weight gradients, no cotangent) from the first chunk's input cotangent."""
+        return self.embed.pullback(stored, p, tokens)(dx)[0], ()
+
     def _head_backward(self, p, stored, tokens):
         """(the head's weight gradients, the cotangent of the last chunk's output)."""
         return self.head.pullback(stored, p, self.zeros_x, tokens)(self.d_aux)
@@ -101,14 +104,13 @@ class _ZeroBubble:
     # ---- pools and slots ---------------------------------------------------------------------
     def _plan_pools(self, embed_kept, layers_kept, head_kept):
         """Which residual leaf goes to which pool, each pool's buffers and every action's slots."""
-        n_p = len(jax.tree.leaves(self.compute))
-        layers_at = range(n_p, n_p + len(layers_kept))
-        head_at = range(n_p, n_p + len(head_kept))
+        n_p = len(jax.tree.leaves(self.compute))  # the stored residuals follow the weights among the inputs
+        layers_at, head_at, embed_at = (range(n_p, n_p + len(k)) for k in (layers_kept, head_kept, embed_kept))
         self.reads_dy = self.layers_split.in_tree.num_leaves - 1 in self.layers_split.w_inputs
         self.leaves = {
             "layers B": _b_only(self.layers_split, layers_at), "layers W": _w_reads(self.layers_split, layers_at),
             "head B": _b_only(self.head_split, head_at), "head W": _w_reads(self.head_split, head_at),
-            "embed B": list(range(len(embed_kept))),
+            "embed B": _b_only(self.embed_backward, embed_at),
         }
         kept = {"layers": layers_kept, "head": head_kept, "embed": embed_kept}
         shapes = {name: [kept[name.split()[0]][j] for j in leaves] for name, leaves in self.leaves.items()}
@@ -125,13 +127,20 @@ class _ZeroBubble:
         pools = [p for p in pools if shapes[p.name]]
         slots = assign(self.table, pools)
         self.shapes = {p.name: shapes[p.name] for p in pools}
-        self.count = slots.count
+        last = self.table.stages * self.table.virtual - 1
+        kept_by = {p.name: [q for q in pools if q.name == p.name and q.start in ("F", "B")] for p in pools}
+        self.write_slot = {}  # pools a branch writes (not the neighbours' sends): [tick, stage] -> slot
+        for name, specs in kept_by.items():
+            if specs:
+                writes = lambda a, specs=specs: any(q.written_by(a, last) for q in specs)  # noqa: E731
+                self.write_slot[name] = jnp.asarray(write_slots(self.table, slots, name, writes))
+        self.count = slots.count  # with the spare slots write_slots added
         self.own_slot = {name: jnp.asarray(a) for name, a in _own_slots(self.table, slots, self.shapes).items()}
         self.arrivals = _arrivals(self.table, slots)
 
     def run(self, params):
         """(this device's share of the mean loss, sums of the layers' stats, grads)."""
-        stash = {name: [jnp.zeros((max(self.count[name], 1),) + a.shape, a.dtype) for a in shapes]
+        stash = {name: [jnp.zeros((max(self.count.get(name, 0), 1),) + a.shape, a.dtype) for a in shapes]
                  for name, shapes in self.shapes.items()}
         grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         init = (stash, grads0, jnp.zeros((), jnp.float32), self.no_stats)
@@ -147,23 +156,26 @@ class _ZeroBubble:
         branches += [lambda first=first, last=last: self.weight_backward(i, first, last) for first, last in _PLACES]
         with jax.named_scope(TICK_SCOPE):
             grads, loss_sum, stats_sum, sent, writes = jax.lax.switch(i.branch, branches)
-        stash = self._keep(stash, writes, i)
+        stash = self._keep(stash, writes, t)
         stash = self._receive(stash, t, sent)
         return (stash, grads, loss_sum, stats_sum), None
 
     # ---- what a tick keeps and receives --------------------------------------------------------
     def _no_writes(self) -> dict:
-        return {name: [jnp.zeros(a.shape, a.dtype) for a in self.shapes[name]]
-                for name in _WRITERS if name in self.shapes and (name != "g" or self.reads_dy)}
+        """What a branch that keeps nothing in a pool gives it: zeros, written into a free slot."""
+        return {name: [jnp.zeros(a.shape, a.dtype) for a in self.shapes[name]] for name in self.write_slot}
 
-    def _keep(self, stash, writes: dict, i: _Tick) -> dict:
-        """Each value a branch keeps goes to its slot in its pool; other branches leave the slot as is."""
+    def _written(self, writes: dict) -> dict:
+        """A branch's writes, zeros for every kept pool it leaves alone (all branches give one structure)."""
+        return {**self._no_writes(), **{k: v for k, v in writes.items() if k in self.write_slot}}
+
+    def _keep(self, stash, writes: dict, t) -> dict:
+        """Each kept pool gets the tick's values at its write slot: the action's own, or a free one
+        (stash_slots.write_slots): one update per pool and tick, and no select."""
         stash = dict(stash)
         for name, values in writes.items():
-            lo, hi = _WRITERS[name]
-            write, slot = (i.branch >= lo) & (i.branch <= hi), i.slot[name]
-            stash[name] = [buf.at[slot].set(jnp.where(write, v.astype(buf.dtype), buf[slot]))
-                           for buf, v in zip(stash[name], values)]
+            slot = self.write_slot[name][t, self.s]
+            stash[name] = [buf.at[slot].set(v.astype(buf.dtype)) for buf, v in zip(stash[name], values)]
         return stash
 
     def _receive(self, stash, t, sent) -> dict:
@@ -213,7 +225,7 @@ class _ZeroBubble:
     def forward(self, i: _Tick, first: bool, last: bool):
         """F: the chunk's output goes to the next chunk (the last chunk's loss is summed), its residuals
         to the pools B and W read them from."""
-        writes, loss = self._no_writes(), jnp.zeros((), jnp.float32)
+        writes, loss = {}, jnp.zeros((), jnp.float32)
         x = self.zeros_x if first else i.kept("x")[0]
         if first:
             x, _, res = self.embed.split(i.p, i.tokens)
@@ -224,56 +236,42 @@ class _ZeroBubble:
             loss, _, res = self.head.split(i.p, y, i.tokens)
             self._fill(writes, "head", res)
             y = self.zeros_x
-        return i.grads, i.loss_sum + loss, jax.tree.map(jnp.add, i.stats_sum, stats), y, writes
+        return i.grads, i.loss_sum + loss, jax.tree.map(jnp.add, i.stats_sum, stats), y, self._written(writes)
 
     def _fill(self, writes: dict, part: str, residuals: list) -> None:
         for half in ("B", "W"):
-            if f"{part} {half}" in writes:
-                writes[f"{part} {half}"] = [residuals[j] for j in self.leaves[f"{part} {half}"]]
+            writes[f"{part} {half}"] = [residuals[j] for j in self.leaves.get(f"{part} {half}", [])]
 
     def input_backward(self, i: _Tick, first: bool, last: bool):
         """B: the chunk input's cotangent (sent to the previous chunk) and the gradients that need no
         matmul; what W will need goes to the crossing pools."""
-        writes, grads = self._no_writes(), i.grads
+        writes, grads = {}, i.grads
         if last:
             leaves = jax.tree.leaves(i.p) + self._stored(i, "head") + jax.tree.leaves(i.tokens)
-            dy, in_b, crossing = self.head_split.input_half(leaves)
+            dy, in_b, writes["head cross"] = self.head_split.input_half(leaves)
             grads = self._add(grads, in_b, i.local_chunk)
-            if "head cross" in writes:
-                writes["head cross"] = crossing
-            if "g" in writes:
+            if self.reads_dy:  # W reads dy: the last chunk's, from its own head, is kept too
                 writes["g"] = [dy]
         else:
             dy = i.kept("g")[0]
         leaves = jax.tree.leaves(i.p) + self._stored(i, "layers") + jax.tree.leaves((i.ids, i.rows, dy))
-        dx, in_b, crossing = self.layers_split.input_half(leaves)
+        dx, in_b, writes["layers cross"] = self.layers_split.input_half(leaves)
         grads = self._add(grads, in_b, i.local_chunk)
-        if "layers cross" in writes:
-            writes["layers cross"] = crossing
         if first:
-            embed_grads, _ = self.embed.pullback(i.kept("embed B"), i.p, i.tokens)(dx)
-            grads = self._add(grads, dict(enumerate(jax.tree.leaves(embed_grads))), i.local_chunk)
+            leaves = jax.tree.leaves(i.p) + self._stored(i, "embed") + jax.tree.leaves((i.tokens, dx))
+            grads = self._add(grads, self.embed_backward.input_half(leaves)[1], i.local_chunk)
             dx = self.zeros_x
-        return grads, i.loss_sum, i.stats_sum, dx, writes
+        return grads, i.loss_sum, i.stats_sum, dx, self._written(writes)
 
     def weight_backward(self, i: _Tick, first: bool, last: bool):
         """W: the weight gradients, from the residuals W reads and what B handed over."""
         dy = i.kept("g")[0] if self.reads_dy else None
         leaves = jax.tree.leaves(i.p) + self._stored(i, "layers", ("W",)) + jax.tree.leaves((i.ids, i.rows)) + [dy]
-        crossing = i.kept("layers cross") if "layers cross" in self.shapes else []
-        grads = self._add(i.grads, self.layers_split.weight_half(leaves, crossing), i.local_chunk)
+        grads = self._add(i.grads, self.layers_split.weight_half(leaves, i.kept("layers cross")), i.local_chunk)
         if last:
             leaves = jax.tree.leaves(i.p) + self._stored(i, "head", ("W",)) + jax.tree.leaves(i.tokens)
-            crossing = i.kept("head cross") if "head cross" in self.shapes else []
-            grads = self._add(grads, self.head_split.weight_half(leaves, crossing), i.local_chunk)
+            grads = self._add(grads, self.head_split.weight_half(leaves, i.kept("head cross")), i.local_chunk)
         return grads, i.loss_sum, i.stats_sum, self.zeros_x, self._no_writes()
-
-
-# The branches that write each kept pool (a range of BRANCHES): residuals by F, crossings and the
-# last chunk's dy (when W reads it) by B.
-_WRITERS = {"embed B": (F_FIRST, F_FIRST), "layers B": (F_FIRST, F_LAST), "layers W": (F_FIRST, F_LAST),
-            "head B": (F_LAST, F_LAST), "head W": (F_LAST, F_LAST), "layers cross": (B_FIRST, B_LAST),
-            "head cross": (B_LAST, B_LAST), "g": (B_LAST, B_LAST)}
 
 
 def _b_only(split: SplitBackward, at) -> list[int]:
