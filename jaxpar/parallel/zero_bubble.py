@@ -59,6 +59,11 @@ class _Tick:
 
 
 class _ZeroBubble:
+    """ZB-H1 / ZB-V on one device: every tick of the table in a `lax.scan`, each a `lax.switch` over
+    idle and the F, B and W of a first, middle or last chunk. Built once per trace: the three
+    backward programs split into B and W (layers, head; the embedding's whole in B), the pools
+    with their shapes, and per tick and stage the slots each action reads, writes and receives."""
+
     def __init__(self, fns: StageFns, params, is_stacked, batch_M, layer_ids, table: Table, axis: str):
         self.fns, self.is_stacked, self.batch_M, self.layer_ids = fns, is_stacked, batch_M, layer_ids
         self.table, self.axis = table, axis
