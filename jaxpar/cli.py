@@ -164,17 +164,19 @@ def _plan_search(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
+    from jaxpar.parallel.schedule_timing import Costs
     from jaxpar.parallel.schedules import SCHEDULES, build
     from jaxpar.plan.schedule_chart import draw, summary, text_chart
     from jaxpar.validation import check_schedule_flags
 
-    check_schedule_flags(args.schedule, args.stages, args.microbatches, args.virtual, SCHEDULES)
+    costs = Costs(*check_schedule_flags(args.schedule, args.stages, args.microbatches, args.virtual, SCHEDULES,
+                                        args.costs))
     table = build(args.schedule, args.stages, args.microbatches, args.virtual)
     print(text_chart(table))
     if args.out:
-        draw(table, args.out)
+        draw(table, args.out, costs)
         print(f"chart written to {args.out}")
-    print(json.dumps(summary(table)))
+    print(json.dumps(summary(table, costs)))
     return 0
 
 
@@ -266,10 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "checkpoint's, re-plan the layout and keep the global batch")
     _add_plan(sub)
     p = _add_command(sub, "schedule", cmd_schedule, "draw a pipeline schedule and print its idle fraction")
-    p.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved or 2bw")
+    p.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved, 2bw, zb-h1 or zbv")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
     p.add_argument("--microbatches", type=int, required=True, help="microbatches M per step")
     p.add_argument("--virtual", type=int, default=1, help="chunks per device v (interleaved)")
+    p.add_argument("--costs", default="1,1,1", metavar="F,B,W",
+                   help="what one chunk's forward, input backward and weight backward cost (a fused backward: B + W)")
     p.add_argument("--out", help="write the Gantt chart to this PNG")
     _add_command(sub, "verify", cmd_verify, "compare a layout against the single-device reference", reads_config=True)
     p = _add_command(sub, "tokenize", cmd_tokenize, "train a byte-level BPE tokenizer (or apply one) and write token "

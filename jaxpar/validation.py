@@ -39,8 +39,10 @@ def check_device_count(wanted: int | None, available: int, platform: str, proces
         raise ConfigError(f"run.devices={wanted} but only {available} {platform} devices exist.")
 
 
-def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual: int, schedules: tuple) -> None:
-    """The flags of `jaxpar schedule`: one of `schedules`, positive sizes, and what interleaving needs."""
+def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual: int, schedules: tuple,
+                         costs: str = "1,1,1") -> tuple[float, ...]:
+    """The flags of `jaxpar schedule`: one of `schedules`, positive sizes, what interleaving and zbv
+    need, and --costs: returns its three non-negative numbers F,B,W."""
     if schedule not in schedules:
         raise ConfigError(f"--schedule must be one of {', '.join(schedules)}, got {schedule!r}.")
     if stages < 1 or microbatches < 1 or virtual < 1:
@@ -49,6 +51,13 @@ def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual:
         raise ConfigError(f"--virtual {virtual} needs --schedule interleaved.")
     if schedule == "interleaved" and microbatches % stages:
         raise ConfigError(f"interleaved 1F1B needs --microbatches to be a multiple of --stages ({stages}).")
+    if schedule == "zbv" and microbatches < stages:
+        raise ConfigError(f"the zbv schedule needs at least as many microbatches as stages, got --microbatches "
+                          f"{microbatches} < --stages {stages}.")
+    numbers = [float(c) if c.strip().replace(".", "", 1).isdigit() else -1.0 for c in costs.split(",")]
+    if len(numbers) != 3 or min(numbers) < 0 or numbers[0] + numbers[1] <= 0:
+        raise ConfigError(f"--costs must be three non-negative numbers F,B,W with F + B > 0, got {costs!r}.")
+    return tuple(numbers)
 
 
 def check_launch_flags(processes: int, devices_per_process: int | None, command: list[str]) -> None:
@@ -122,14 +131,20 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"parallel.pipeline.virtual={p.virtual} needs parallel.pipeline.schedule=interleaved.")
     if S == 1:
         return
-    v = p.virtual if p.schedule == "interleaved" else 1
+    v = p.virtual if p.schedule == "interleaved" else 2 if p.schedule == "zbv" else 1
+    if p.schedule == "zbv" and L % (2 * S):
+        raise ConfigError(f"the zbv schedule runs two chunks of layers on each stage: model.n_layers={L} is not "
+                          f"divisible by 2 x mesh.stage = {2 * S}.")
     if L % (S * v):
         raise ConfigError(f"model.n_layers={L} is not divisible by mesh.stage x virtual stages = {S} x {v}.")
     moe = cfg.model.moe
     if moe.experts and moe.every > 0 and (L // moe.every) % (S * v):
         raise ConfigError(f"the {L // moe.every} units of model.moe.every={moe.every} layers are not divisible by "
                           f"mesh.stage x virtual stages = {S} x {v}.")
-    if p.schedule in ("1f1b", "2bw", "interleaved") and p.microbatches < S:
+    if p.schedule in ("zb-h1", "zbv") and p.recompute:
+        raise ConfigError(f"parallel.pipeline.recompute=true is for 1F1B-type schedules; {p.schedule} keeps the "
+                          "forward's residuals for its split backward (train.remat keeps fewer).")
+    if p.schedule in ("1f1b", "2bw", "interleaved", "zb-h1", "zbv") and p.microbatches < S:
         raise ConfigError(f"the {p.schedule} schedule needs at least as many microbatches as stages, "
                           f"got parallel.pipeline.microbatches={p.microbatches} < mesh.stage={S}.")
     if p.schedule == "interleaved" and p.microbatches % S:
@@ -142,7 +157,8 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by mesh.data x mesh.expert x "
                           f"parallel.pipeline.microbatches = {sizes['data']} x {sizes['expert']} x {p.microbatches}.")
     if ZeroStage(cfg.parallel.zero).slices_replicated_weights and v > 1:
-        raise ConfigError("parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3.")
+        raise ConfigError(f"parallel.zero=2 with {'interleaved stages' if p.schedule == 'interleaved' else 'zbv'} "
+                          f"is not supported; use zero 1 or 3.")
 
 
 def _validate_rope(m) -> None:

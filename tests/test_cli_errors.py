@@ -72,6 +72,17 @@ BAD_INPUTS = {
     "zero 2 with interleaved stages": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
                                         "parallel.pipeline.virtual=2", "parallel.zero=2"],
                                        "parallel.zero=2 with interleaved stages is not supported; use zero 1 or 3."),
+    "zbv with one layer per stage": (["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=zbv"],
+                                     "the zbv schedule runs two chunks of layers on each stage: model.n_layers=4 "
+                                     "is not divisible by 2 x mesh.stage = 8."),
+    "zbv with fewer microbatches than stages": (
+        ["mesh.data=2", "mesh.stage=4", "model.n_layers=8", "parallel.pipeline.schedule=zbv",
+         "parallel.pipeline.microbatches=2"], "the zbv schedule needs at least as many microbatches as stages"),
+    "recompute with a zero-bubble schedule": (
+        ["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=zb-h1", "parallel.pipeline.recompute=true"],
+        "parallel.pipeline.recompute=true is for 1F1B-type schedules; zb-h1 keeps"),
+    "zero 2 with zbv": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=zbv", "parallel.zero=2"],
+                        "parallel.zero=2 with zbv is not supported; use zero 1 or 3."),
     "negative seed": (["train.seed=-1"], "train.seed must be between 0 and 2**63 - 1, got -1."),
     "non-finite learning rate": (["train.lr=nan"], "train.lr must be a finite number, got nan."),
     "empty data source": (["data.source="], "data.source must be a non-empty path"),
@@ -115,7 +126,7 @@ def test_bad_input_exits_2_with_one_sentence(case, command, tmp_path, capsys):
 # the flags of `jaxpar schedule` and `jaxpar launch` -> the whole sentence
 BAD_FLAGS = {
     "unknown schedule": (["schedule", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"],
-                         "--schedule must be one of gpipe, 1f1b, interleaved, 2bw, got 'zigzag'."),
+                         "--schedule must be one of gpipe, 1f1b, interleaved, 2bw, zb-h1, zbv, got 'zigzag'."),
     "no stages": (["schedule", "--schedule", "gpipe", "--stages", "0", "--microbatches", "8"],
                   "--stages, --microbatches and --virtual must be positive."),
     "virtual without interleaving": (["schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
@@ -123,6 +134,11 @@ BAD_FLAGS = {
     "interleaved microbatches": (["schedule", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6",
                                   "--virtual", "2"],
                                  "interleaved 1F1B needs --microbatches to be a multiple of --stages (4)."),
+    "zbv microbatches": (["schedule", "--schedule", "zbv", "--stages", "4", "--microbatches", "3"],
+                         "the zbv schedule needs at least as many microbatches as stages, got --microbatches 3 < "
+                         "--stages 4."),
+    "costs": (["schedule", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--costs", "1,2"],
+              "--costs must be three non-negative numbers F,B,W with F + B > 0, got '1,2'."),
     "no processes": (["launch", "--processes", "0", "--", "train"], "--processes must be positive, got 0."),
     "no devices per process": (["launch", "--processes", "2", "--devices-per-process", "0", "--", "train"],
                                "--devices-per-process must be positive, got 0."),

@@ -8,7 +8,6 @@ recomputes the chunk from it (4/3 of the FLOPs, least memory)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ from jaxpar.parallel.pipeline import (
     F_LAST,
     F_MID,
     TICK_SCOPE,
+    Residuals,
     StageFns,
     action_arrays,
     chunk_params,
@@ -28,41 +28,6 @@ from jaxpar.parallel.pipeline import (
     zeros_like_shapes,
 )
 from jaxpar.parallel.schedules import Table, stash_size
-
-
-class _Residuals:
-    """What a `jax.vjp` keeps for backward, as a list of arrays that can be stored, minus the
-    weights themselves (backward takes them from the step's parameters instead).
-
-    fn(params, x, *consts) -> (out, stats) is differentiated with respect to params and x;
-    `split` runs the forward and returns its output, stats and the storable residuals;
-    `pullback` rebuilds the vjp from stored residuals. The vjp's structure comes from tracing
-    the same forward again inside the backward branch; that forward's results are unused
-    there, and the compiler drops it as dead code.
-    """
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def _trace(self, params, x, *consts):
-        out, vjp, stats = jax.vjp(lambda p, x: self.fn(p, x, *consts), params, x, has_aux=True)
-        leaves, tree = jax.tree_util.tree_flatten(vjp)
-        weights = {id(w): i for i, w in enumerate(jax.tree.leaves(params))}
-        is_weight = [weights.get(id(leaf)) for leaf in leaves]
-        return out, stats, leaves, tree, is_weight
-
-    def split(self, params, x, *consts):
-        out, stats, leaves, _, is_weight = self._trace(params, x, *consts)
-        return out, stats, [leaf for leaf, w in zip(leaves, is_weight) if w is None]
-
-    def shapes(self, params, x, *consts) -> list:
-        """Shapes and dtypes of the storable residuals."""
-        return jax.eval_shape(lambda *a: self.split(*a)[2], params, x, *consts)
-
-    def pullback(self, stored: list, params, x, *consts):
-        _, _, _, tree, is_weight = self._trace(params, x, *consts)
-        weights, stored = jax.tree.leaves(params), iter(stored)
-        return tree.unflatten([next(stored) if w is None else weights[w] for w in is_weight])
 
 
 @jax.tree_util.register_dataclass
@@ -133,9 +98,9 @@ class _OneFOneB:
         self.ring = S > 1 and v > 1  # interleaved chunks wrap from the last device back to the first
         self.forward_perm = [(i, (i + 1) % S) for i in range(S if self.ring else S - 1)]
         self.backward_perm = [((i + 1) % S, i) for i in range(S if self.ring else S - 1)]
-        self.embed = _Residuals(lambda p, tokens: (fns.embed(p, tokens), {}))
-        self.layers = _Residuals(lambda p, x, ids, rows: fns.layers(p, x, ids, rows))
-        self.head = _Residuals(lambda p, y, tokens: (fns.head_loss(p, y, tokens).astype(jnp.float32), {}))
+        self.embed = Residuals(lambda p, tokens: (fns.embed(p, tokens), {}))
+        self.layers = Residuals(lambda p, x, ids, rows: fns.layers(p, x, ids, rows))
+        self.head = Residuals(lambda p, y, tokens: (fns.head_loss(p, y, tokens).astype(jnp.float32), {}))
         chunk0 = chunk_params(self.compute, is_stacked, 0, self.layers_per_chunk)
         ids0 = layer_ids[:self.layers_per_chunk]
         stats_shape = jax.eval_shape(lambda *a: self.layers.split(*a)[1], chunk0, self.zeros_x, ids0, rows0)

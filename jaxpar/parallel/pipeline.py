@@ -1,5 +1,6 @@
-"""What the pipeline executors share (jaxpar.parallel.gpipe, jaxpar.parallel.one_f_one_b), which
-run per device inside `jax.shard_map` (manual over the `stage` axis).
+"""What the pipeline executors share (jaxpar.parallel.gpipe, jaxpar.parallel.one_f_one_b,
+jaxpar.parallel.zero_bubble), which run per device inside `jax.shard_map` (manual over the
+`stage` axis).
 
 Each device holds its stages' layers (the stacked weights are sharded over `stage` on the
 layers dimension). Neighbouring stages exchange activations (forward) and their cotangents
@@ -19,6 +20,9 @@ costed one by one (`jaxpar plan`'s executed FLOPs).
   memory stays bounded by the schedule, and a backward tick applies the received cotangent
   to them: no forward runs twice. With `recompute`, a forward tick keeps only the chunk's
   input and the backward tick recomputes the chunk from it (4/3 of the FLOPs, least memory).
+- ZB-H1 and ZB-V (zero bubble): the same, with each backward split into a B tick (the input's
+  cotangent, from the kept residuals) and a later W tick (the weight gradients, from what B
+  handed it; jaxpar.parallel.split_backward).
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ import numpy as np
 from jaxpar.parallel.schedules import Table
 
 # The switch branches of a tick. GPipe's forward scan uses the first four; its transpose (by
-# autodiff) takes the same index.
+# autodiff) takes the same index. 1F1B-type schedules use the first seven; the zero-bubble ones
+# all ten, their backward branches computing the input's cotangent only (B) and the weight ones W.
 BRANCHES = ("idle", "forward first", "forward middle", "forward last",
-            "backward first", "backward middle", "backward last")
-IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(len(BRANCHES))
+            "backward first", "backward middle", "backward last",
+            "weight first", "weight middle", "weight last")
+IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST, W_FIRST, W_MID, W_LAST = range(len(BRANCHES))
 # Name scope of the tick switch, found again in the compiled program's metadata.
 TICK_SCOPE = "pipeline_tick"
 
@@ -68,7 +74,7 @@ def branch_of(action, last_chunk: int) -> int:
     if action is None:
         return IDLE
     place = 0 if action.chunk == 0 else 2 if action.chunk == last_chunk else 1
-    return (F_FIRST if action.kind == "F" else B_FIRST) + place
+    return {"F": F_FIRST, "B": B_FIRST, "W": W_FIRST}[action.kind] + place
 
 
 def switch_ticks(table: Table) -> int:
@@ -119,3 +125,38 @@ def microbatch(batch_M, m):
 
 def zeros_like_shapes(shapes):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+class Residuals:
+    """What a `jax.vjp` keeps for backward, as a list of arrays that can be stored, minus the
+    weights themselves (backward takes them from the step's parameters instead).
+
+    fn(params, x, *consts) -> (out, stats) is differentiated with respect to params and x;
+    `split` runs the forward and returns its output, stats and the storable residuals;
+    `pullback` rebuilds the vjp from stored residuals. The vjp's structure comes from tracing
+    the same forward again inside the backward branch; that forward's results are unused
+    there, and the compiler drops it as dead code.
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def _trace(self, params, x, *consts):
+        out, vjp, stats = jax.vjp(lambda p, x: self.fn(p, x, *consts), params, x, has_aux=True)
+        leaves, tree = jax.tree_util.tree_flatten(vjp)
+        weights = {id(w): i for i, w in enumerate(jax.tree.leaves(params))}
+        is_weight = [weights.get(id(leaf)) for leaf in leaves]
+        return out, stats, leaves, tree, is_weight
+
+    def split(self, params, x, *consts):
+        out, stats, leaves, _, is_weight = self._trace(params, x, *consts)
+        return out, stats, [leaf for leaf, w in zip(leaves, is_weight) if w is None]
+
+    def shapes(self, params, x, *consts) -> list:
+        """Shapes and dtypes of the storable residuals."""
+        return jax.eval_shape(lambda *a: self.split(*a)[2], params, x, *consts)
+
+    def pullback(self, stored: list, params, x, *consts):
+        _, _, _, tree, is_weight = self._trace(params, x, *consts)
+        weights, stored = jax.tree.leaves(params), iter(stored)
+        return tree.unflatten([next(stored) if w is None else weights[w] for w in is_weight])

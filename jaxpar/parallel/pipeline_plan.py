@@ -23,6 +23,7 @@ from jaxpar.parallel.gpipe import gpipe_value_and_grad
 from jaxpar.parallel.one_f_one_b import one_f_one_b_value_and_grad
 from jaxpar.parallel.pipeline import StageFns
 from jaxpar.parallel.schedules import Table, build, storage_order
+from jaxpar.parallel.zero_bubble import zero_bubble_value_and_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,7 @@ class PipelinePlan:
     def build(cls, pipe, stages: int, stacked_layers: int) -> PipelinePlan:
         """From parallel.pipeline (`pipe`), mesh.stage and the model's number of stacked layers."""
         table = build(pipe.schedule, stages, pipe.microbatches, pipe.virtual) if stages > 1 else None
-        order = storage_order(stacked_layers, stages, table.virtual if table else 1)
+        order = storage_order(stacked_layers, stages, table.virtual if table else 1, pipe.schedule)
         return cls(table, None if order == sorted(order) else tuple(order), stacked_layers,
                    pipe.schedule == "2bw", pipe.recompute)
 
@@ -63,6 +64,8 @@ class PipelinePlan:
         layer_ids = jax.lax.dynamic_slice_in_dim(stored, jax.lax.axis_index(axis) * local, local)
         if self.table.schedule == "gpipe":
             executor = gpipe_value_and_grad
+        elif self.table.split_backward:
+            executor = zero_bubble_value_and_grad
         else:
             executor = functools.partial(one_f_one_b_value_and_grad, recompute=self.recompute)
         return executor(fns, params, stacked_mask, micro, layer_ids, self.table, axis)

@@ -9,6 +9,13 @@ action as soon as its dependencies finished in an earlier tick, else it idles.
 Dependencies: the forward of (microbatch i, chunk k) needs the forward of (i, k-1); the
 backward of (i, k) needs the forward of (i, k) and the backward of (i, k+1). Chunk k lives
 on stage k % S (with v chunks per stage, round-robin as in Megatron's interleaved schedule).
+
+The zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split each
+backward in two: B, the input's cotangent (what the previous chunk waits for), and W, the
+weight gradients of (i, k), which need only B of (i, k) and which nobody waits for; a tick is
+then one F, B or W. `zb-h1` keeps 1F1B's memory (at most S microbatches between F and W on
+any stage) and lets W fill the cool-down; `zbv` puts two chunks on each stage in a V, chunk s
+and chunk 2S-1-s on stage s, so the loss and the first chunk share stage 0.
 """
 
 from __future__ import annotations
@@ -16,11 +23,14 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw", "zb-h1", "zbv")
+# Schedules whose backward is split into B (input cotangent) and W (weight gradients).
+ZERO_BUBBLE = ("zb-h1", "zbv")
 
 
 class Action(NamedTuple):
-    """One unit of work: 'F' or 'B', a microbatch and a model chunk (0 .. S*v-1)."""
+    """One unit of work: 'F', 'B' or (zero-bubble schedules) 'W', a microbatch and a model chunk
+    (0 .. S*v-1)."""
 
     kind: str
     microbatch: int
@@ -38,21 +48,50 @@ class Table:
     ticks: tuple[tuple[Action | None, ...], ...]
 
     @property
+    def split_backward(self) -> bool:
+        """Whether a backward is two actions, B then W (the zero-bubble schedules)."""
+        return self.schedule in ZERO_BUBBLE
+
+    def stage_of(self, chunk: int) -> int:
+        """The stage that holds `chunk`: round-robin, or in a V for zbv."""
+        return chunk_stage(self.schedule, self.stages, chunk)
+
+    def local_chunk(self, chunk: int) -> int:
+        """Which of its stage's chunks `chunk` is (0 .. virtual-1, in the order stored)."""
+        return chunk // self.stages
+
+    @property
     def idle_fraction(self) -> float:
         """Idle stage-ticks over all stage-ticks."""
         total = len(self.ticks) * self.stages
         return sum(a is None for row in self.ticks for a in row) / total
 
     def in_flight(self, stage: int) -> int:
-        """Most microbatches whose forward ran on `stage` but whose backward has not (per chunk pair)."""
-        live, peak = set(), 0
+        """Most (microbatch, chunk) pairs whose forward ran on `stage` but whose backward (its W,
+        when split) has not."""
+        live, peak, ends = set(), 0, "W" if self.split_backward else "B"
         for row in self.ticks:
             action = row[stage]
             if action is not None:
                 key = (action.microbatch, action.chunk)
-                live.add(key) if action.kind == "F" else live.discard(key)
+                if action.kind == "F":
+                    live.add(key)
+                elif action.kind == ends:
+                    live.discard(key)
                 peak = max(peak, len(live))
         return peak
+
+
+def chunk_stage(schedule: str, stages: int, chunk: int) -> int:
+    """The stage of `chunk`: k % S, or for zbv k on the way down and 2S-1-k on the way back."""
+    if schedule == "zbv":
+        return chunk if chunk < stages else 2 * stages - 1 - chunk
+    return chunk % stages
+
+
+def chunks_per_stage(schedule: str, virtual: int) -> int:
+    """v: the configured virtual stages for interleaved, two for zbv, else one."""
+    return virtual if schedule == "interleaved" else 2 if schedule == "zbv" else 1
 
 
 def theoretical_idle_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
@@ -76,7 +115,61 @@ def _orders(schedule: str, S: int, M: int, v: int) -> list[list[Action]]:
         return orders
     if schedule == "interleaved":
         return [_interleaved_order(s, S, M, v) for s in range(S)]
+    if schedule == "zb-h1":
+        return [_zb_h1_order(s, S, M) for s in range(S)]
+    if schedule == "zbv":
+        return [_zbv_order(s, S, M) for s in range(S)]
     raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def _zb_h1_order(s: int, S: int, M: int) -> list[Action]:
+    """ZB-H1 on stage s: S - s forwards, then B and F alternately, each W as late as memory allows:
+    stage s keeps up to s microbatches between B and W, so S microbatches at most between F and W
+    (1F1B's peak on its first stage), and the last stage's W fill 1F1B's cool-down bubble."""
+    order, pending, f, b = [], [], 0, 0
+    while f < min(S - s, M):
+        order.append(Action("F", f, s))
+        f += 1
+    while b < M:
+        order.append(Action("B", b, s))
+        pending.append(b)
+        b += 1
+        if len(pending) > s:
+            order.append(Action("W", pending.pop(0), s))
+        if f < M:
+            order.append(Action("F", f, s))
+            f += 1
+    return order + [Action("W", w, s) for w in pending]
+
+
+def _zbv_order(s: int, S: int, M: int) -> list[Action]:
+    """ZB-V on stage s (the paper's Figure 6 pattern): chunk `a` = s on the way down, `b` = 2S-1-s on
+    the way back. Forwards of a fill the V's left arm, then F-B-W of b, then the steady pattern
+    F(a) B(a) W(a) F(b) B(b) W(b), then the W left over. Written for at least 2S-1 microbatches;
+    with fewer, the actions of microbatches past M are left out."""
+    a, b = s, 2 * S - 1 - s
+    count: dict[tuple[str, int], int] = {}
+    order: list[Action] = []
+
+    def act(*steps: tuple[str, int]) -> None:
+        for kind, chunk in steps:
+            i = count[kind, chunk] = count.get((kind, chunk), 0) + 1
+            if i <= M:
+                order.append(Action(kind, i - 1, chunk))
+
+    n = max(M, 2 * S - 1)
+    act(*[("F", a)] * (2 * (S - s) - 1))
+    act(*[("F", b), ("F", a)] * s)
+    act(*[("F", b), ("B", b), ("W", b)] * (S - s))
+    while count.get(("F", b), 0) < n:
+        if count.get(("F", a), 0) < n:
+            act(("F", a))
+        act(("B", a), ("W", a), ("F", b), ("B", b), ("W", b))
+    act(*[("B", a), ("B", b)] * s)
+    act(*[("B", a), ("W", a)] * (S - s))
+    act(*[("W", b)] * (n - count.get(("W", b), 0)))
+    act(*[("W", a)] * (n - count.get(("W", a), 0)))
+    return order
 
 
 def _interleaved_order(s: int, S: int, M: int, v: int) -> list[Action]:
@@ -100,7 +193,7 @@ def _interleaved_order(s: int, S: int, M: int, v: int) -> list[Action]:
 
 def build(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
     """Simulate the schedule tick by tick; raises ValueError if it cannot make progress."""
-    S, M, v = stages, microbatches, virtual if schedule == "interleaved" else 1
+    S, M, v = stages, microbatches, chunks_per_stage(schedule, virtual)
     orders = _orders(schedule, S, M, v)
     last_chunk = S * v - 1
     done: set[Action] = set()
@@ -127,17 +220,21 @@ def _ready(action: Action, done: set[Action], last_chunk: int) -> bool:
     i, k = action.microbatch, action.chunk
     if action.kind == "F":
         return k == 0 or Action("F", i, k - 1) in done
+    if action.kind == "W":
+        return Action("B", i, k) in done
     return Action("F", i, k) in done and (k == last_chunk or Action("B", i, k + 1) in done)
 
 
-def storage_order(n_layers: int, stages: int, virtual: int) -> list[int]:
+def storage_order(n_layers: int, stages: int, virtual: int, schedule: str = "") -> list[int]:
     """Model layer held at each position of the stacked weights, so that stage s's contiguous
-    block holds its chunks s, s+S, s+2S, ... (identity unless virtual > 1)."""
+    block holds its chunks in local order: s, s+S, s+2S, ..., or for zbv s and 2S-1-s (identity
+    unless a stage holds several chunks)."""
     per_chunk = n_layers // (stages * virtual)
     order = []
     for stage in range(stages):
         for local_chunk in range(virtual):
-            chunk = local_chunk * stages + stage
+            v_arm = schedule == "zbv" and local_chunk  # zbv: stage s's second chunk is 2S-1-s
+            chunk = 2 * stages - 1 - stage if v_arm else local_chunk * stages + stage
             order += range(chunk * per_chunk, (chunk + 1) * per_chunk)
     return order
 

@@ -213,3 +213,18 @@ def executed_cost(module: Module, scope: str, branch_runs: list[list[int]], cost
             for d, taken in enumerate(branch_runs):
                 per_device[d] += (taken[k] - runs) * amount
     return per_device
+
+
+def branch_costs(module: Module, scope: str, cost) -> tuple[list[float], float]:
+    """(`cost` of one run of each branch of the conditionals named by `scope`, by branch index;
+    `cost` per step of everything else), per device: what a schedule's table is timed with."""
+    per_branch: list[float] = []
+    outside = cost(module)
+    for caller, branches in conditionals(module, scope):
+        runs = module.executions(caller)
+        for k, branch in enumerate(branches):
+            amount = cost(module, root=branch)
+            per_branch += [0.0] * (k + 1 - len(per_branch))
+            per_branch[k] += amount
+            outside -= runs * amount
+    return per_branch, outside

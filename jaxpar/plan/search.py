@@ -28,7 +28,7 @@ from jaxpar import precision
 from jaxpar.config import Config, ConfigError, ParallelConfig, TrainConfig
 from jaxpar.errors import UserError
 from jaxpar.hardware import Hardware
-from jaxpar.parallel.schedules import SCHEDULES
+from jaxpar.parallel.schedules import SCHEDULES, chunks_per_stage
 from jaxpar.plan import compiled_cache
 from jaxpar.plan.roofline import Prediction, hosts_of, predict_layout
 from jaxpar.switches import MESH_KEYS
@@ -87,8 +87,9 @@ def _pipelines(mesh: dict) -> list[dict]:
 
 
 def _layers_per_chunk(cfg: Config, overrides: dict) -> int:
-    chunks = overrides["mesh.stage"] * overrides.get("parallel.pipeline.virtual", 1)
-    return cfg.model.n_layers // chunks
+    per_stage = chunks_per_stage(overrides.get("parallel.pipeline.schedule", ""),
+                                 overrides.get("parallel.pipeline.virtual", 1))
+    return cfg.model.n_layers // (overrides["mesh.stage"] * per_stage)
 
 
 def _valid(cfg: Config, overrides: dict, n: int, processes: int) -> bool:
