@@ -164,10 +164,10 @@ def _plan_search(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
+    from jaxpar.command_flags import check_schedule_flags
     from jaxpar.parallel.schedule_timing import Costs
     from jaxpar.parallel.schedules import SCHEDULES, build
     from jaxpar.plan.schedule_chart import draw, summary, text_chart
-    from jaxpar.validation import check_schedule_flags
 
     costs = Costs(*check_schedule_flags(args.schedule, args.stages, args.microbatches, args.virtual, SCHEDULES,
                                         args.costs))
@@ -217,9 +217,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from jaxpar.command_flags import check_launch_flags
     from jaxpar.elastic import check_restart_flags
     from jaxpar.launch import launch
-    from jaxpar.validation import check_launch_flags
 
     command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
     check_launch_flags(args.processes, args.devices_per_process, command)
@@ -255,9 +255,7 @@ def _add_command(sub, name: str, run, help: str, reads_config: bool = False, **o
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for all subcommands."""
-    from jaxpar.launch import DEFAULT_GRACE_S
-    from jaxpar.supervisor import add_restart_flags
-    from jaxpar.validation import LAUNCHABLE_COMMANDS
+    from jaxpar import command_flags
 
     parser = argparse.ArgumentParser(prog="jaxpar", description="Train transformer LMs across many devices with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -278,33 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(sub, "verify", cmd_verify, "compare a layout against the single-device reference", reads_config=True)
     p = _add_command(sub, "tokenize", cmd_tokenize, "train a byte-level BPE tokenizer (or apply one) and write token "
                                                     "shards for data.source")
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help=".txt (UTF-8; a document per file), .jsonl (a document per line) or .parquet (per row) files")
-    p.add_argument("--split", choices=("file", "paragraphs"), default="file",
-                   help=".txt files: a document per file, or per blank-line-separated paragraph")
-    p.add_argument("--field", metavar="NAME", help=".jsonl: the field holding each document's text")
-    p.add_argument("--column", metavar="NAME", help=".parquet: the column holding each document's text")
-    p.add_argument("--sft", action="store_true",
-                   help="fine-tuning pairs: the loss counts the response tokens only (with --field-prompt and "
-                        "--field-response, fields of .jsonl lines or columns of .parquet rows)")
-    p.add_argument("--chat", action="store_true",
-                   help="fine-tuning chats: each record's messages (--field/--column, default 'messages': a list of "
-                        "{role, content}), rendered with the tokenizer's chat template where it has one; the loss "
-                        "counts the assistant's messages only")
-    p.add_argument("--field-prompt", metavar="NAME", help="--sft: the prompt's field (column)")
-    p.add_argument("--field-response", metavar="NAME", help="--sft: the response's field (column)")
-    p.add_argument("--vocab-size", type=int,
-                   help="vocabulary of the tokenizer to train (at least 258: the bytes, the end-of-document token, "
-                        "a merge)")
-    p.add_argument("--tokenizer", metavar="FILE|DIR",
-                   help="apply this tokenizer.json (or the one in this folder: a Hugging Face checkpoint, a tokenized "
-                        "folder) instead of training one")
-    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    command_flags.add_tokenize_flags(p)
     _add_open_weights(sub)
     p = _add_command(sub, "launch", cmd_launch, "run a jaxpar command as N local processes of one distributed run",
                      usage=f"jaxpar launch --processes N [--devices-per-process K] -- "
-                           f"{'|'.join(LAUNCHABLE_COMMANDS)} ...")
+                           f"{'|'.join(command_flags.LAUNCHABLE_COMMANDS)} ...")
+    _add_launch_flags(p)
+    return parser
+
+
+def _add_launch_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxpar launch`: the processes, their devices and their supervision."""
+    from jaxpar.launch import DEFAULT_GRACE_S
+    from jaxpar.supervisor import add_restart_flags
+
     p.add_argument("--processes", type=int, required=True, help="number of processes N")
     p.add_argument("--devices-per-process", type=int, help="devices per process K (emulated CPU devices, or GPUs)")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
@@ -313,7 +298,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="also show the JAX runtime's own log lines")
     add_restart_flags(p)
     p.add_argument("command_args", nargs=argparse.REMAINDER, help="-- then the jaxpar command and its settings")
-    return parser
 
 
 def _add_plan(sub) -> None:

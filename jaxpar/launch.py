@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 
 from jaxpar import distributed
+from jaxpar.command_flags import check_launch_flags
 from jaxpar.errors import EXIT_LOST, EXIT_USAGE
-from jaxpar.validation import check_launch_flags
 
 # glog lines (I1129 11:03:11.66 123 file.cc:45] ...), their stack frames, and gloo's connection chatter
 _RUNTIME_LOG = re.compile(rb"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]|\s+@\s+0x|\*\*\* |"

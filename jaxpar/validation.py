@@ -1,5 +1,6 @@
-"""Every check of what a user gives (the config against the device count, run.devices against the
-devices found, the flags of `jaxpar schedule` and `jaxpar launch`), before anything is compiled.
+"""Every check of a config (against the device count, and run.devices against the devices found),
+before anything is compiled; the flags of `jaxpar schedule` and `jaxpar launch` are checked in
+jaxpar.command_flags.
 
 Every failure is a ConfigError with one sentence saying what to change. Pure Python (no jax).
 """
@@ -13,7 +14,6 @@ from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig
 from jaxpar.data.sources import parse_mixture
 from jaxpar.switches import ZeroStage, not_with_local_sgd
 
-LAUNCHABLE_COMMANDS = ("train", "verify", "plan")
 MAX_SEED = 2 ** 63 - 1  # numpy wants a non-negative seed, jax one that fits in 64 bits
 MAX_HEARTBEAT_S = 86_400  # the distributed runtime takes whole seconds in a C int
 
@@ -37,38 +37,6 @@ def check_device_count(wanted: int | None, available: int, platform: str, proces
                               f"{processes} processes; leave run.devices=auto.")
     elif wanted is not None and wanted > available:
         raise ConfigError(f"run.devices={wanted} but only {available} {platform} devices exist.")
-
-
-def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual: int, schedules: tuple,
-                         costs: str = "1,1,1") -> tuple[float, ...]:
-    """The flags of `jaxpar schedule`: one of `schedules`, positive sizes, what interleaving and zbv
-    need, and --costs: returns its three non-negative numbers F,B,W."""
-    if schedule not in schedules:
-        raise ConfigError(f"--schedule must be one of {', '.join(schedules)}, got {schedule!r}.")
-    if stages < 1 or microbatches < 1 or virtual < 1:
-        raise ConfigError("--stages, --microbatches and --virtual must be positive.")
-    if virtual > 1 and schedule != "interleaved":
-        raise ConfigError(f"--virtual {virtual} needs --schedule interleaved.")
-    if schedule == "interleaved" and microbatches % stages:
-        raise ConfigError(f"interleaved 1F1B needs --microbatches to be a multiple of --stages ({stages}).")
-    if schedule == "zbv" and microbatches < stages:
-        raise ConfigError(f"the zbv schedule needs at least as many microbatches as stages, got --microbatches "
-                          f"{microbatches} < --stages {stages}.")
-    numbers = [float(c) if c.strip().replace(".", "", 1).isdigit() else -1.0 for c in costs.split(",")]
-    if len(numbers) != 3 or min(numbers) < 0 or numbers[0] + numbers[1] <= 0:
-        raise ConfigError(f"--costs must be three non-negative numbers F,B,W with F + B > 0, got {costs!r}.")
-    return tuple(numbers)
-
-
-def check_launch_flags(processes: int, devices_per_process: int | None, command: list[str]) -> None:
-    """The flags of `jaxpar launch`: positive counts, and a command to run after '--'."""
-    if processes < 1:
-        raise ConfigError(f"--processes must be positive, got {processes}.")
-    if devices_per_process is not None and devices_per_process < 1:
-        raise ConfigError(f"--devices-per-process must be positive, got {devices_per_process}.")
-    if not command or command[0] not in LAUNCHABLE_COMMANDS:
-        raise ConfigError("give the jaxpar command to run after '--', e.g. "
-                          "'jaxpar launch --processes 2 -- train mesh.tensor=4'.")
 
 
 def resolve_mesh(mesh: MeshConfig, n_devices: int) -> dict[str, int]:

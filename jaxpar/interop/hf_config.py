@@ -39,9 +39,13 @@ class CheckpointError(UserError):
 def read_config(folder: str | Path) -> dict:
     """DIR/config.json as a dict; raises CheckpointError (one sentence) when it is missing or not JSON."""
     path = Path(folder) / CONFIG_FILE
-    if not Path(folder).is_dir():
+    try:
+        is_folder, has_config = Path(folder).is_dir(), path.is_file()
+    except OSError as e:  # a name the system cannot look up: too long, say
+        raise CheckpointError(f"model.from_hf={str(folder)!r} cannot be looked up ({e.strerror}).") from None
+    if not is_folder:
         raise CheckpointError(f"model.from_hf={str(folder)!r} is not a folder.")
-    if not path.is_file():
+    if not has_config:
         raise CheckpointError(f"model.from_hf={str(folder)!r} has no {CONFIG_FILE}; give the folder of a Hugging Face "
                               f"checkpoint (config.json and *.safetensors).")
     try:

@@ -1,0 +1,73 @@
+"""The flags of `jaxpar tokenize`, and the checks of `jaxpar schedule`'s and
+`jaxpar launch`'s, made before anything starts.
+
+Every failure is a ConfigError with one sentence saying what to change. Pure Python (no jax).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxpar.config import ConfigError
+
+LAUNCHABLE_COMMANDS = ("train", "verify", "plan")
+
+
+def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual: int, schedules: tuple,
+                         costs: str = "1,1,1") -> tuple[float, ...]:
+    """The flags of `jaxpar schedule`: one of `schedules`, positive sizes, what interleaving and zbv
+    need, and --costs: returns its three non-negative numbers F,B,W."""
+    if schedule not in schedules:
+        raise ConfigError(f"--schedule must be one of {', '.join(schedules)}, got {schedule!r}.")
+    if stages < 1 or microbatches < 1 or virtual < 1:
+        raise ConfigError("--stages, --microbatches and --virtual must be positive.")
+    if virtual > 1 and schedule != "interleaved":
+        raise ConfigError(f"--virtual {virtual} needs --schedule interleaved.")
+    if schedule == "interleaved" and microbatches % stages:
+        raise ConfigError(f"interleaved 1F1B needs --microbatches to be a multiple of --stages ({stages}).")
+    if schedule == "zbv" and microbatches < stages:
+        raise ConfigError(f"the zbv schedule needs at least as many microbatches as stages, got --microbatches "
+                          f"{microbatches} < --stages {stages}.")
+    numbers = [float(c) if c.strip().replace(".", "", 1).isdigit() else -1.0 for c in costs.split(",")]
+    if len(numbers) != 3 or min(numbers) < 0 or numbers[0] + numbers[1] <= 0:
+        raise ConfigError(f"--costs must be three non-negative numbers F,B,W with F + B > 0, got {costs!r}.")
+    return tuple(numbers)
+
+
+def check_launch_flags(processes: int, devices_per_process: int | None, command: list[str]) -> None:
+    """The flags of `jaxpar launch`: positive counts, and a command to run after '--'."""
+    if processes < 1:
+        raise ConfigError(f"--processes must be positive, got {processes}.")
+    if devices_per_process is not None and devices_per_process < 1:
+        raise ConfigError(f"--devices-per-process must be positive, got {devices_per_process}.")
+    if not command or command[0] not in LAUNCHABLE_COMMANDS:
+        raise ConfigError("give the jaxpar command to run after '--', e.g. "
+                          "'jaxpar launch --processes 2 -- train mesh.tensor=4'.")
+
+
+def add_tokenize_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxpar tokenize`: the documents to read, how, and the tokenizer to train or apply."""
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help=".txt (UTF-8; a document per file), .jsonl (a document per line) or .parquet (per row) files")
+    p.add_argument("--split", choices=("file", "paragraphs"), default="file",
+                   help=".txt files: a document per file, or per blank-line-separated paragraph")
+    p.add_argument("--field", metavar="NAME", help=".jsonl: the field holding each document's text")
+    p.add_argument("--column", metavar="NAME", help=".parquet: the column holding each document's text")
+    p.add_argument("--sft", action="store_true",
+                   help="fine-tuning pairs: the loss counts the response tokens only (with --field-prompt and "
+                        "--field-response, fields of .jsonl lines or columns of .parquet rows)")
+    p.add_argument("--chat", action="store_true",
+                   help="fine-tuning chats: each record's messages (--field/--column, default 'messages': a list of "
+                        "{role, content}), rendered with the tokenizer's chat template where it has one; the loss "
+                        "counts the assistant's messages only")
+    p.add_argument("--field-prompt", metavar="NAME", help="--sft: the prompt's field (column)")
+    p.add_argument("--field-response", metavar="NAME", help="--sft: the response's field (column)")
+    p.add_argument("--vocab-size", type=int,
+                   help="vocabulary of the tokenizer to train (at least 258: the bytes, the end-of-document token, "
+                        "a merge)")
+    p.add_argument("--tokenizer", metavar="FILE|DIR",
+                   help="apply this tokenizer.json (or the one in this folder: a Hugging Face checkpoint, a tokenized "
+                        "folder) instead of training one")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
