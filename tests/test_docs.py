@@ -78,7 +78,10 @@ def fenced_blocks(page: Path) -> list[Block]:
 
 
 ALL_BLOCKS = [block for page in PAGES for block in fenced_blocks(page)]
-RUN_BLOCKS = [block for block in ALL_BLOCKS if block.marker is None]
+# A block written word for word on two pages (README's tour and the guide it links to) runs once.
+_UNMARKED = [block for block in ALL_BLOCKS if block.marker is None]
+RUN_BLOCKS = [block for i, block in enumerate(_UNMARKED)
+              if all((b.language, b.text) != (block.language, block.text) for b in _UNMARKED[:i])]
 
 
 # ------------------------------------------------------------------------------------- structure

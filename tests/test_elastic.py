@@ -306,8 +306,10 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
     return _losses(run_dir)
 
 
+# Both real-process runs compare with the module's `uninterrupted` run: one xdist worker computes it once.
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.xdist_group("elastic_processes")
 def test_three_kills_during_replication_between_saves_and_during_a_save_lose_nothing(tmp_path, uninterrupted):
     run_dir, hold, rng = tmp_path / "run", tmp_path / "hold", random.Random()
     hold.mkdir()
@@ -349,6 +351,7 @@ def test_three_kills_during_replication_between_saves_and_during_a_save_lose_not
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.xdist_group("elastic_processes")
 def test_an_elastic_run_goes_on_with_the_process_left_and_grows_back(tmp_path, uninterrupted):
     run_dir, down = tmp_path / "run", tmp_path / "down"
     down.mkdir()
