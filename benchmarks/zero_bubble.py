@@ -49,6 +49,7 @@ BASE = [f"run.dir={os.devnull}", *MODEL, *ARGS.overrides]
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).
 DEVICES = setup_devices(load_config(None, BASE))
 
+from jaxpar import precision  # noqa: E402
 from jaxpar.parallel.pipeline import BRANCHES, TICK_SCOPE, branch_of  # noqa: E402
 from jaxpar.parallel.schedule_timing import idle_fraction, timeline  # noqa: E402
 from jaxpar.plan.calibrate import profile  # noqa: E402
@@ -65,11 +66,11 @@ def compiled_costs(trainer) -> dict:
             "rest_written_bytes": rest_written}
 
 
-def predicted(table, costs: dict, hardware, precision: str, with_bytes: bool) -> dict:
+def predicted(table, costs: dict, hardware, compute_dtype: str, with_bytes: bool) -> dict:
     """Seconds of the step on `hardware`: the rest plus the table's ticks in lockstep, and the ideal
     asynchronous timeline instead of the lockstep, from the per-branch FLOPs (with the written
     bytes too when `with_bytes`)."""
-    peak, bandwidth = hardware.peak_flops[precision], hardware.write_bandwidth if with_bytes else float("inf")
+    peak, bandwidth = hardware.peak_flops[compute_dtype], hardware.write_bandwidth if with_bytes else float("inf")
     seconds = [f / peak + b / bandwidth for f, b in zip(costs["branch_flops"], costs["branch_written_bytes"])]
     rest = costs["rest_flops"] / peak + costs["rest_written_bytes"] / bandwidth
     last = table.stages * table.virtual - 1
@@ -94,7 +95,7 @@ def build_layouts(profiles: dict) -> dict:
             costs, table = compiled_costs(trainer), trainer.pipeline.table
             layouts[schedule, m] = {"trainer": trainer, "rounds": [], "costs": costs, "ticks": len(table.ticks),
                                     "idle_table": table.idle_fraction,
-                                    **{f"{name} {model}": predicted(table, costs, hw, cfg.train.precision,
+                                    **{f"{name} {model}": predicted(table, costs, hw, precision.of(cfg).compute,
                                                                      model == "roofline")
                                        for name, hw in profiles.items() for model in ("compute", "roofline")}}
             print(f"{schedule} M={m}: compiled", file=sys.stderr)
