@@ -165,18 +165,21 @@ class LocalCopies:
             return None
         shards = {(key, shard): (dtype, shape, offset, size) for key, shard, dtype, shape, offset, size
                   in index["arrays"]}
-        shardings, arrays = flat_by_path(trainer.state_shardings), {}
-        for key, leaf in flat_by_path(abstract).items():
-            placed = []
+        shardings, leaves = flat_by_path(trainer.state_shardings), flat_by_path(abstract)
+        pieces, devices = [], []
+        for key, leaf in leaves.items():
             for device, shard_index in shardings[key].addressable_devices_indices_map(leaf.shape).items():
                 found = shards.get((key, _index_key(shard_index)))
                 if found is None:
                     return None
                 dtype, shape, offset, size = found
-                data = np.frombuffer(body[offset:offset + size], dtype=jnp.dtype(dtype)).reshape(shape)
-                placed.append(jax.device_put(data, device))
-            arrays[key] = jax.make_array_from_single_device_arrays(leaf.shape, shardings[key], placed)
-        return arrays
+                pieces.append(np.frombuffer(body[offset:offset + size], dtype=jnp.dtype(dtype)).reshape(shape))
+                devices.append(device)
+        placed = iter(jax.device_put(pieces, devices))  # one batched transfer: a shard at a time was 2x slower
+        return {key: jax.make_array_from_single_device_arrays(
+                    leaf.shape, shardings[key],
+                    [next(placed) for _ in shardings[key].addressable_devices_indices_map(leaf.shape)])
+                for key, leaf in leaves.items()}
 
     def remove(self) -> None:
         """Delete the run's copies on every process (a finished run needs none): process 0, after all."""
