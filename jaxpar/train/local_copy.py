@@ -35,6 +35,7 @@ from jaxpar.train.checkpoint import CheckpointMismatch, Restored, check_compatib
 
 CHUNK_BYTES = 256 * 2 ** 20  # the copy passes to the peer in pieces of this size (device memory it needs at once)
 _HEADER = struct.Struct("<Q")  # the length of the JSON index that precedes the arrays' bytes
+_ALIGN = 64  # bytes: what XLA:CPU wants of a host buffer it may use without copying
 
 
 def local_root() -> Path:
@@ -165,27 +166,36 @@ class LocalCopies:
             return None
         shards = {(key, shard): (dtype, shape, offset, size) for key, shard, dtype, shape, offset, size
                   in index["arrays"]}
-        shardings, leaves = flat_by_path(trainer.state_shardings), flat_by_path(abstract)
-        pieces, devices = [], []
-        for key, leaf in leaves.items():
+        shardings, arrays, aligned = flat_by_path(trainer.state_shardings), {}, {}
+        for key, leaf in flat_by_path(abstract).items():
+            placed = []
             for device, shard_index in shardings[key].addressable_devices_indices_map(leaf.shape).items():
                 found = shards.get((key, _index_key(shard_index)))
                 if found is None:
                     return None
                 dtype, shape, offset, size = found
-                pieces.append(np.frombuffer(body[offset:offset + size], dtype=jnp.dtype(dtype)).reshape(shape))
-                devices.append(device)
-        placed = iter(jax.device_put(pieces, devices))  # one batched transfer: a shard at a time was 2x slower
-        return {key: jax.make_array_from_single_device_arrays(
-                    leaf.shape, shardings[key],
-                    [next(placed) for _ in shardings[key].addressable_devices_indices_map(leaf.shape)])
-                for key, leaf in leaves.items()}
+                if offset not in aligned:
+                    view = np.frombuffer(body[offset:offset + size], dtype=jnp.dtype(dtype)).reshape(shape)
+                    aligned[offset] = _aligned_copy(view)
+                placed.append(jax.device_put(aligned[offset], device))
+            arrays[key] = jax.make_array_from_single_device_arrays(leaf.shape, shardings[key], placed)
+        return arrays
 
     def remove(self) -> None:
         """Delete the run's copies on every process (a finished run needs none): process 0, after all."""
         distributed.share("memory copies done")
         if not distributed.is_secondary():
             shutil.rmtree(self.run, ignore_errors=True)
+
+
+def _aligned_copy(view: np.ndarray) -> np.ndarray:
+    """`view` copied to 64-byte-aligned memory, which the CPU backend's device_put uses in place (a copy of
+    every replica otherwise: restoring 2.4 GB on 8 devices took 3.5 s instead of a shared checkpoint's 1.3 s)."""
+    buffer = np.empty(view.nbytes + _ALIGN, np.uint8)
+    start = -buffer.ctypes.data % _ALIGN
+    out = buffer[start:start + view.nbytes].view(view.dtype).reshape(view.shape)
+    out[...] = view
+    return out
 
 
 def _first_devices() -> list:
