@@ -18,10 +18,11 @@ row closes the job; the next start in that folder begins a new one. Pure Python 
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
+
+from jaxpar.jsonl import append_jsonl
 
 TIMELINE = "timeline.jsonl"
 
@@ -34,8 +35,7 @@ class Timeline:
 
     def _append(self, row: dict) -> None:
         if self.write:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(self.path, row)
 
     def start(self, started: float, resumed: int, source: str, **where) -> None:
         """The loop begins now: `started` is when the process began, `resumed` the step it goes on from,
@@ -52,18 +52,6 @@ class Timeline:
 
     def end(self, step: int, finished: bool) -> None:
         self._append({"event": "end", "t": time.time(), "step": step, "finished": finished})
-
-
-def read_rows(path: Path) -> list[dict]:
-    """The rows of a timeline file; a line cut short by a killed process is skipped."""
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
 
 
 def current_job(rows: list[dict]) -> list[list[dict]]:

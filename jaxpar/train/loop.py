@@ -22,11 +22,12 @@ from jaxpar.data.sources import token_source
 from jaxpar.data.token_folder import is_token_folder
 from jaxpar.distributed import ENV_ATTEMPT, StopAgreement, is_secondary
 from jaxpar.elastic import record_rows
-from jaxpar.goodput import Timeline, current_job, goodput, read_rows
+from jaxpar.goodput import TIMELINE, Timeline, current_job, goodput
+from jaxpar.jsonl import append_jsonl, read_jsonl
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.local_copy import LocalCopies
-from jaxpar.train.report import append_jsonl, read_jsonl, write_json_atomic, write_jsonl_atomic
+from jaxpar.train.report import write_json_atomic, write_jsonl_atomic
 from jaxpar.train.sample import sample_text
 from jaxpar.train.saves import Saves, resume
 from jaxpar.train.tensorboard import TensorBoardWriter
@@ -364,7 +365,7 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
         "val_loss": val_loss,
         "tokens_per_s_median": statistics.median(steady) if steady else None,
         "layout": session.mesh_name(),
-        "goodput": goodput(current_job(read_rows(run_dir / "timeline.jsonl")), time.time()) if _primary() else None,
+        "goodput": goodput(current_job(read_jsonl(run_dir / TIMELINE)), time.time()) if _primary() else None,
         "sample": sample,
         "config": cfg.to_dict(),
     }

@@ -1,30 +1,11 @@
-"""Run outputs: metrics.jsonl lines and summary.json, written so a reader never sees half a file
-(the loss-curve PNG is drawn by jaxpar.charts)."""
+"""Run outputs rewritten whole: metrics.jsonl and summary.json, written so a reader never sees half a
+file (lines are appended and read by jaxpar.jsonl; the loss-curve PNG is drawn by jaxpar.charts)."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    """Append one JSON object as a line."""
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a .jsonl file; a line cut short by a killed process is skipped."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return records
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
