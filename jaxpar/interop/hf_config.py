@@ -42,7 +42,8 @@ def read_config(folder: str | Path) -> dict:
     try:
         is_folder, has_config = Path(folder).is_dir(), path.is_file()
     except OSError as e:  # a name the system cannot look up: too long, say
-        raise CheckpointError(f"model.from_hf={str(folder)!r} cannot be looked up ({e.strerror}).") from None
+        why = e.strerror or type(e).__name__  # as data.source's error says it (jaxpar.data.corpus)
+        raise CheckpointError(f"model.from_hf={str(folder)!r} cannot be looked up ({why}).") from None
     if not is_folder:
         raise CheckpointError(f"model.from_hf={str(folder)!r} is not a folder.")
     if not has_config:
