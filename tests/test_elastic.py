@@ -448,3 +448,20 @@ def test_an_elastic_start_keeps_the_configs_mesh_when_it_fits_and_else_takes_the
     assert replan_module.replan(base, four).train.grad_accum == 4 and searched == [4, 4]
     assert "does not fit" in capsys.readouterr().err
     assert replan_module.replan(base, jax.devices()) == base.replace(**{"train.grad_accum": 1})  # as recorded
+
+
+def test_an_elastic_replan_searches_the_mesh_and_microbatches_with_the_recipe_held():
+    from jaxpar.plan.replan import held_settings
+    from jaxpar.plan.search import enumerate_layouts
+
+    written = Config().replace(**{"model.n_layers": 4, "train.batch_size": 16, "mesh.data": 2, "mesh.tensor": 4,
+                                  "parallel.zero": 3, "train.remat": "full"})
+    ladders = enumerate_layouts(written, 4, held_settings(written))
+    assert [(rungs[0]["mesh.data"], rungs[0]["mesh.tensor"]) for rungs in ladders] == [(4, 1), (2, 2), (1, 4)]
+    rungs = [rung for ladder in ladders for rung in ladder]
+    assert all(r["parallel.zero"] == 3 and r["train.remat"] == "full" and r["mesh.stage"] == 1 for r in rungs)
+    assert len(enumerate_layouts(written, 4, {})) > 10 * len(ladders)  # what the whole search would compile
+    staged = written.replace(**{"mesh.data": 1, "mesh.stage": 2, "parallel.pipeline.schedule": "1f1b",
+                                "parallel.pipeline.microbatches": 4})
+    rungs = [rung for ladder in enumerate_layouts(staged, 4, held_settings(staged)) for rung in ladder]
+    assert {r.get("parallel.pipeline.schedule") for r in rungs} == {None, "1f1b"}  # with stages, as written

@@ -3,7 +3,8 @@
 The first elastic start records the rows each device holds per microbatch (jaxpar.elastic). A later
 start on another device count keeps them: the config's own mesh, when it lays out on the devices
 (an axis of -1 fills them), validates and fits the memory budget, with the microbatch count that
-keeps the rows; else the planner's best layout that fits (jaxpar.plan.search, on these devices). The
+keeps the rows; else the planner's best layout that fits (jaxpar.plan.search, on these devices),
+searching the mesh and the microbatch count with the rest of the recipe held (held_settings). The
 global batch is the same either way, so the optimizer takes the same steps, up to the order of the
 reductions; the checkpoint is resharded onto the new layout when it is restored.
 
@@ -55,8 +56,19 @@ def _fits(layout: Config, devices: list, budget: float) -> bool:
     return not entry["state_only"] and entry["bytes_per_device"] <= budget
 
 
+def held_settings(cfg: Config) -> dict:
+    """What the re-plan keeps as the config wrote it: the run's recipe, which no device count forces to
+    change (ZeRO, remat, and with stages the schedule). The planner chooses the mesh and the microbatch
+    count only: a handful of compiles, where the whole search would be hundreds."""
+    held = {"parallel.zero": cfg.parallel.zero, "train.remat": cfg.train.remat}
+    if cfg.mesh.stage == 1:
+        return {**held, "mesh.stage": 1}
+    return {**held, "parallel.pipeline.schedule": cfg.parallel.pipeline.schedule,
+            "parallel.pipeline.virtual": cfg.parallel.pipeline.virtual}
+
+
 def _planned(cfg: Config, devices: list, budget: float) -> tuple[dict, str]:
-    """The planner's best layout of `cfg` on `devices` within `budget`, and its name."""
+    """The planner's best layout of `cfg` on `devices` within `budget` (held_settings held), and its name."""
     from jaxpar.hardware import for_device_kind
     from jaxpar.plan.calibrate import profile
     from jaxpar.plan.search import search
@@ -66,7 +78,8 @@ def _planned(cfg: Config, devices: list, budget: float) -> tuple[dict, str]:
     if name is None:
         raise ConfigError(f"an elastic run needs a new layout on {len(devices)} devices, but no hardware profile "
                           f"matches {devices[0].device_kind!r} for the planner to choose one.")
-    result = search(cfg, devices, profile(name, _local(devices)), budget, {}, progress=False, processes=1, top=1)
+    result = search(cfg, devices, profile(name, _local(devices)), budget, held_settings(cfg), progress=False,
+                    processes=1, top=1)
     return best_overrides(result), result.ranked[0].name
 
 

@@ -110,7 +110,9 @@ def enumerate_layouts(cfg: Config, n: int, fixed: dict, processes: int = 1) -> l
     ladders = []
     for mesh in _meshes(cfg, n, fixed):
         shards_state = mesh["mesh.data"] * mesh["mesh.expert"] > 1
-        for pipeline, zero in itertools.product(_pipelines(mesh), ZERO_STAGES if shards_state else ZERO_STAGES[:1]):
+        # without a data axis every ZeRO stage computes stage 0's program: one is enough (a held one, as held)
+        zeros = ZERO_STAGES if shards_state else [fixed.get("parallel.zero", ZERO_STAGES[0])]
+        for pipeline, zero in itertools.product(_pipelines(mesh), zeros):
             base = {**mesh, **pipeline, "parallel.zero": zero}
             accums = [1] if mesh["mesh.stage"] > 1 else GRAD_ACCUMS
             rungs = [{**base, "train.remat": remat, "train.grad_accum": accum}
