@@ -94,9 +94,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--memory-gb, --top and --processes belong to a layout search; add --search.")
     if args.search:
         return _plan_search(args)
-    from jaxpar.session import prepare
+    from jaxpar.runtime import setup_devices
+    from jaxpar.session import on_devices
 
-    session = prepare(_load(args.settings))
+    cfg = _load(args.settings)
+    session = on_devices(cfg, setup_devices(cfg))  # shapes only: no data is read, so any seq_len plans
     from jaxpar.plan import format_report, measure_step
     from jaxpar.train.trainer import Trainer
 

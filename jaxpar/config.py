@@ -129,6 +129,7 @@ class MeshConfig:
     """
 
     data: int = -1
+    context: int = 1  # the sequence split across devices through the whole block (jaxpar.parallel.context)
     tensor: int = 1
     expert: int = 1
     stage: int = 1
@@ -200,6 +201,11 @@ class ParallelConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     pipeline: PipelineConfig = PipelineConfig()
+    # with mesh.context > 1, how attention reaches the keys of other context devices: `ring` passes key/value
+    # blocks round the ring (ppermute), `allgather` gathers them once; balanced (causal masks): device i holds
+    # chunks i and 2C-1-i of 2C, so every device does the same attention work
+    context_attention: Literal["ring", "allgather"] = "ring"
+    context_balance: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +274,7 @@ def _as_dict(obj) -> dict:
             for f in dataclasses.fields(obj)}
 
 
-MESH_AXES = ("data", "tensor", "expert", "stage")
+MESH_AXES = ("data", "tensor", "expert", "stage", "context")  # context last: a nested shard_map over it keeps manual axes in mesh order
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 

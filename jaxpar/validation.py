@@ -161,9 +161,26 @@ def _validate_attention(cfg: Config, sizes: dict[str, int]) -> None:
     if cfg.parallel.sequence and tensor > 1 and m.kv_heads % tensor:
         raise ConfigError(f"parallel.sequence=true needs the {m.kv_heads} key/value heads (model.n_kv_heads) to be "
                           f"divisible by mesh.tensor={tensor}.")
-    if cfg.parallel.sequence and m.seq_len % tensor:
-        raise ConfigError(f"parallel.sequence=true splits model.seq_len={m.seq_len} over mesh.tensor={tensor}, "
-                          f"which does not divide it.")
+    if cfg.parallel.sequence and m.seq_len % (tensor * sizes["context"]):
+        raise ConfigError(f"parallel.sequence=true splits model.seq_len={m.seq_len} over mesh.tensor={tensor} "
+                          f"x mesh.context={sizes['context']}, which does not divide it.")
+    _validate_context(cfg, sizes["context"], sizes["stage"])
+
+
+def _validate_context(cfg: Config, context: int, stages: int) -> None:
+    m, chunks = cfg.model, 2 * context if cfg.parallel.context_balance else context
+    if context > 1 and stages > 1:  # a stage's idle ticks would skip the ring's collectives the others wait in
+        raise ConfigError("mesh.context > 1 does not run with pipeline stages (mesh.stage > 1) yet.")
+    if context > 1 and m.moe.experts and cfg.parallel.context_balance:
+        raise ConfigError("MoE routing groups take consecutive tokens, which balanced context parallelism reorders; "
+                          "set parallel.context_balance=false with model.moe.experts.")
+    if context > 1 and m.seq_len % chunks:
+        raise ConfigError(f"mesh.context={context} cuts model.seq_len={m.seq_len} into {chunks} chunks"
+                          f"{' (balanced: 2 x context)' if cfg.parallel.context_balance else ''}, which do not "
+                          f"divide it.")
+    if context > 1 and m.attention == "cudnn":
+        raise ConfigError(f"model.attention=cudnn cannot run across mesh.context={context}: cuDNN's kernel takes "
+                          f"whole sequences; use flash or dot, which jaxpar's context attention runs per block.")
 
 
 def _validate_offload_and_local_sgd(cfg: Config, sizes: dict[str, int]) -> None:

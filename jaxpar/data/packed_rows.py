@@ -24,7 +24,9 @@ class PackedRows:
     positions_BT: each token's position within its document.
     mask_BT: 1 where the token may be predicted (0: padding, a fine-tuning prompt).
     weights_BL: set by the step (`weighted`): each target's weight in the batch's mean loss.
-    source_B: with a mixture (data.mixture), the source each row was drawn from, of `sources`."""
+    source_B: with a mixture (data.mixture), the source each row was drawn from, of `sources`.
+    order_BL: set by the step under balanced context parallelism (`in_order`): the inputs' positions in
+    the order the context devices hold them; inputs, targets, documents and masks come in that order."""
 
     tokens_BT: jax.Array
     segments_BT: jax.Array
@@ -33,24 +35,40 @@ class PackedRows:
     weights_BL: jax.Array | None = None
     source_B: jax.Array | None = None
     sources: int = dataclasses.field(default=0, metadata={"static": True})
+    order_BL: jax.Array | None = None
+
+    @classmethod
+    def of_tokens(cls, tokens_BT: jax.Array) -> PackedRows:
+        """A plain (B, T) token array as rows of one document each, every target counted."""
+        zeros_BT = jnp.zeros_like(tokens_BT)
+        return cls(tokens_BT, zeros_BT, jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape),
+                   jnp.ones_like(tokens_BT))
+
+    def in_order(self, order_L) -> PackedRows:
+        """The rows with their inputs' positions taken in `order_L` (a permutation of 0 ... L-1)."""
+        order_BL = jnp.broadcast_to(jnp.asarray(order_L, jnp.int32), self.targets_BL.shape)
+        return dataclasses.replace(self, order_BL=order_BL)
+
+    def _ordered(self, x_BL: jax.Array) -> jax.Array:
+        return x_BL if self.order_BL is None else jnp.take_along_axis(x_BL, self.order_BL, axis=1)
 
     @property
     def inputs_BL(self) -> jax.Array:
-        return self.tokens_BT[:, :-1]
+        return self._ordered(self.tokens_BT[:, :-1])
 
     @property
     def targets_BL(self) -> jax.Array:
-        return self.tokens_BT[:, 1:]
+        return self._ordered(self.tokens_BT[:, 1:])
 
     def segments(self) -> Segments:
         """The inputs' documents and positions, for the model."""
-        return Segments(self.segments_BT[:, :-1], self.positions_BT[:, :-1])
+        return Segments(self._ordered(self.segments_BT[:, :-1]), self._ordered(self.positions_BT[:, :-1]))
 
     def target_mask_BL(self) -> jax.Array:
         """Which targets count: maskable tokens of the same document as their input (never the first
         token of the next document, predicted from the last one of the previous)."""
         same_BL = self.segments_BT[:, 1:] == self.segments_BT[:, :-1]
-        return same_BL & (self.mask_BT[:, 1:] != 0)
+        return self._ordered(same_BL & (self.mask_BT[:, 1:] != 0))
 
     def weighted(self) -> PackedRows:
         """The batch with each counted target weighted by (targets / counted targets), so the plain mean

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.axes import column_parallel, constrain, fp32_einsum, param, row_parallel, zeros_param
+from jaxpar.model.axes import column_parallel, constrain, context_attention, fp32_einsum, param, row_parallel, zeros_param
 from jaxpar.model.flash import flash_attention
 from jaxpar.model.layers import RMSNorm, rope_frequencies, rotary
 from jaxpar.model.segments import Segments
@@ -61,7 +61,13 @@ class Attention(nnx.Module):
         and its rotary positions restart at 0."""
         positions = None if segments is None else segments.positions_BL
         q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD, positions)
-        kernel = attention_kernel(self.kernel, q_BLHK.dtype, x_BLD.shape[1], self.flash_blocks)
+        ids_BL = None if segments is None else segments.ids_BL
+        out_BLHK = context_attention(q_BLHK, k_BLGK, v_BLGK, ids_BL, self.flash_blocks)
+        return self.output(self._attend(q_BLHK, k_BLGK, v_BLGK, segments) if out_BLHK is None else out_BLHK)
+
+    def _attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segments: Segments | None):
+        """Attention with whole sequences on each device, by model.attention's kernel."""
+        kernel = attention_kernel(self.kernel, q_BLHK.dtype, q_BLHK.shape[1], self.flash_blocks)
         if kernel == "cudnn":  # takes the fewer key/value heads as they are; a packed row as a mask
             mask = None if segments is None else segments.visible_BLP()[:, None]
             out_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask, is_causal=True,
@@ -75,7 +81,7 @@ class Attention(nnx.Module):
             else:
                 out_BLHK = dot_attention(q_BLHK, k_BLHK, v_BLHK,
                                          None if segments is None else segments.visible_BLP()[:, None])
-        return self.output(out_BLHK)
+        return out_BLHK
 
     def decode(self, x_BLD: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """The next L positions with a key/value cache: their keys and values are written into the

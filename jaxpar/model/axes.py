@@ -43,6 +43,9 @@ class ModelHooks(Protocol):
 
     def fp32_einsum(self, equation: str, a: jax.Array, b: jax.Array) -> jax.Array: ...
 
+    def context_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array | None,
+                          blocks: tuple[int, int]) -> jax.Array | None: ...
+
 
 _hooks: contextvars.ContextVar[ModelHooks | None] = contextvars.ContextVar("jaxpar_layout", default=None)
 
@@ -151,6 +154,14 @@ def fp32_einsum(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     if hooks is None:
         return jax.numpy.einsum(equation, a, b, preferred_element_type=jax.numpy.float32)
     return hooks.fp32_einsum(equation, a, b)
+
+
+def context_attention(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, ids_BL: jax.Array | None,
+                      blocks: tuple[int, int]) -> jax.Array | None:
+    """Causal attention across a sequence that a layout splits over devices (mesh.context > 1), in
+    blocks of (queries, keys); None when no layout does, and each device holds whole sequences."""
+    hooks = _hooks.get()
+    return None if hooks is None else hooks.context_attention(q_BLHK, k_BLGK, v_BLGK, ids_BL, blocks)
 
 
 @contextlib.contextmanager

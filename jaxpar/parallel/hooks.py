@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.model.axes import path_names
 from jaxpar.model.matmul import wide_einsum
+from jaxpar.parallel import context
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.reductions import moved_as_bits, scattered
 from jaxpar.parallel.rules import logical_to_spec
@@ -97,6 +98,9 @@ class _Hooks:
         """An einsum accumulated and returned in fp32 (attention scores), its gradient back in the
         layout's output_grad_dtype."""
         return wide_einsum(equation, a, b, jnp.float32, self.layout.output_grad_dtype)
+
+    def context_attention(self, q, k, v, ids, blocks):  # None: the sequence is whole on each device
+        return context.attention(self.layout, q, k, v, ids, blocks) if self.layout.context > 1 else None
 
     def row_parallel(self, equation, h, w, names):
         """A row-split matmul. Under sequence parallelism its partial sums are reduce-scattered

@@ -29,6 +29,10 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def _axes(target) -> tuple:
+    return (target,) if isinstance(target, str) else tuple(target or ())
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightPlan:
     """Where one parameter lives: its logical names, rules-table spec, the spec with ZeRO's
@@ -65,11 +69,14 @@ class Layout:
     layer_weights_at: tuple[str, ...]
     reduce_dtype: object  # the payload of the data-parallel gradient reductions (parallel.grad_reduce_dtype)
     output_grad_dtype: object  # the fp32 logits' and scores' gradient entering their matmuls' backward
+    context_attention: str = "ring"  # with mesh.context > 1: parallel.context_attention
+    context_balance: bool = True  # parallel.context_balance
 
     @classmethod
     def build(cls, mesh: jax.sharding.Mesh, abstract_params, layer_weights_at: tuple[str, ...] = ("blocks",),
               zero: int = 0, compute_dtype=jnp.float32, rules: Mapping = RULES,
-              reduce_dtype=jnp.float32, output_grad_dtype=jnp.float32) -> Layout:
+              reduce_dtype=jnp.float32, output_grad_dtype=jnp.float32, context_attention: str = "ring",
+              context_balance: bool = True) -> Layout:
         sizes = dict(mesh.shape)
         data_axes = tuple(a for a in data_parallel_axes(rules) if sizes.get(a, 1) > 1)
         pipelined = sizes.get("stage", 1) > 1
@@ -103,12 +110,18 @@ class Layout:
                    manual=manual_data + (("stage",) if pipelined else ()),
                    traced_batch_shards=1 if manual_data else batch_ways, weights=types.MappingProxyType(weights),
                    layer_weights_at=tuple(layer_weights_at), reduce_dtype=reduce_dtype,
-                   output_grad_dtype=output_grad_dtype)
+                   output_grad_dtype=output_grad_dtype, context_attention=context_attention,
+                   context_balance=context_balance)
 
     @property
     def sequence_parallel(self) -> bool:
         """Whether the residual stream is split along the sequence over a tensor axis of size > 1."""
-        return self.rules.get("residual_seq") == "tensor" and self.sizes.get("tensor", 1) > 1
+        return "tensor" in _axes(self.rules.get("residual_seq")) and self.sizes.get("tensor", 1) > 1
+
+    @property
+    def context(self) -> int:
+        """Devices the sequence is split over through the whole block (mesh.context)."""
+        return self.sizes.get("context", 1)
 
     @property
     def pipelined(self) -> bool:

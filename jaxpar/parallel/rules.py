@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 # logical name -> mesh axis (or tuple of mesh axes), None = replicated.
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "expert"),
-    "seq": None,  # inside a block: attention and the MLP see the whole sequence
+    "seq": None,  # inside a block: attention and the MLP see the whole sequence (but under mesh.context)
     "residual_seq": None,  # the residual stream between blocks; "tensor" under sequence parallelism
     "embed": None,
     "mlp": "tensor",
@@ -29,17 +29,22 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def layout_rules(kv_heads: int, tensor: int, sequence: bool) -> dict:
+def layout_rules(kv_heads: int, tensor: int, sequence: bool, context: int = 1) -> dict:
     """The rules table for one model on one mesh.
 
     With fewer key/value heads than tensor ranks (or a count they do not divide) every rank keeps
     all of them, as Megatron and MaxText do: each rank computes the KV heads its query heads use.
+    With mesh.context > 1 the sequence is split over `context` everywhere, inside the blocks and
+    between them (and between them over `tensor` too, within each context slice, under sequence
+    parallelism).
     """
     rules = dict(RULES)
     if kv_heads % tensor:
         rules["kv_heads"] = None
+    if context > 1:
+        rules["seq"] = rules["residual_seq"] = "context"
     if sequence:
-        rules["residual_seq"] = "tensor"
+        rules["residual_seq"] = ("context", "tensor") if context > 1 else "tensor"
     return rules
 
 

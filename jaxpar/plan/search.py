@@ -63,12 +63,13 @@ def _divisors(n: int) -> list[int]:
 
 def _meshes(cfg: Config, n: int, fixed: dict) -> list[dict]:
     moe = cfg.model.moe.experts > 0
+    context = fixed.get("mesh.context", 1)  # searched only as given (mesh.context=N on the command line)
     out = []
     for tensor, expert, stage in itertools.product(_divisors(n), _divisors(n) if moe else [1], _divisors(n)):
-        if n % (tensor * expert * stage):
+        if n % (context * tensor * expert * stage):
             continue
-        mesh = {"mesh.data": n // (tensor * expert * stage), "mesh.tensor": tensor, "mesh.expert": expert,
-                "mesh.stage": stage}
+        mesh = {"mesh.data": n // (context * tensor * expert * stage), "mesh.tensor": tensor, "mesh.expert": expert,
+                "mesh.stage": stage, **({"mesh.context": context} if context > 1 else {})}
         if all(mesh[k] == v for k, v in fixed.items() if k in mesh):
             out.append(mesh)
     return out
@@ -314,4 +315,4 @@ def _candidate(cfg: Config, overrides: dict, devices: list, hardware: Hardware, 
 
 
 def _sizes(overrides: dict) -> dict[str, int]:
-    return {k.removeprefix("mesh."): overrides[k] for k in MESH_KEYS}
+    return {k.removeprefix("mesh."): overrides.get(k, 1) for k in MESH_KEYS}

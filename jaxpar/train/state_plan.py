@@ -66,13 +66,16 @@ class StatePlan:
         check_model_fits(block_model, type(abstract_model).__name__, cfg, session.mesh_sizes)
         graphdef, abstract_params = nnx.split(abstract_model)
         stacked_at = abstract_model.STACKED_AT if block_model else ()
-        rules = {**layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence),
+        rules = {**layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence,
+                              session.mesh_sizes["context"]),
                  **(rules or {})}
         policy = session.precision
 
         def relayout(rules: dict, zero: int = 0, reduce_dtype=jnp.float32) -> Layout:
             return Layout.build(mesh, abstract_params, stacked_at, zero=zero, compute_dtype=policy.compute_dtype,
-                                rules=rules, reduce_dtype=reduce_dtype, output_grad_dtype=policy.dtype("output_grad"))
+                                rules=rules, reduce_dtype=reduce_dtype, output_grad_dtype=policy.dtype("output_grad"),
+                                context_attention=cfg.parallel.context_attention,
+                                context_balance=cfg.parallel.context_balance)
 
         layout = relayout(rules, cfg.parallel.zero, policy.grad_reduce_dtype)
         strategy = local_sgd.strategy(cfg, session.mesh_sizes)

@@ -19,6 +19,7 @@ from jaxpar.data.packed_rows import PackedRows
 from jaxpar.model import is_block_model, layout_hooks
 from jaxpar.model.segments import Segments
 from jaxpar.parallel import Layout, PipelinePlan, StageFns, eval_hooks, gradients
+from jaxpar.parallel.context import device_order
 from jaxpar.precision import PrecisionPolicy
 from jaxpar.train.chunked_loss import chunked_token_losses
 from jaxpar.train.loss_scale import LossScale, all_finite, unless_skipped
@@ -116,6 +117,16 @@ def _run_blocks(model: nnx.Module, x_BLD: jax.Array, scan, layer_ids, rows: RowI
 def weighted(batch):
     """A batch ready for the loss: packed rows get their targets' weights (computed on the whole batch)."""
     return batch.weighted() if isinstance(batch, PackedRows) else batch
+
+
+def in_device_order(batch, layout: Layout):
+    """Under balanced context parallelism, the batch as packed rows whose inputs' positions, targets and
+    documents come in the order the context devices hold them (jaxpar.parallel.context.device_order):
+    permuted once, here, and the mean loss is the same. Else the batch as it is."""
+    if layout.context == 1 or not layout.context_balance:
+        return batch
+    rows = batch if isinstance(batch, PackedRows) else PackedRows.of_tokens(batch)
+    return rows.in_order(device_order(rows.tokens_BT.shape[1] - 1, layout.context, True))
 
 
 def row_inputs(batch, noise_B: jax.Array | None, places_BR: jax.Array | None = None) -> RowInputs:
@@ -285,7 +296,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         scale = state.loss_scale.scale
         grad_params = state.stale_params if pipeline.stale_weights else state.params
         step_key = jax.random.fold_in(jax.random.PRNGKey(t.seed), state.step)  # the same on every layout
-        tokens_BT = weighted(tokens_BT)
+        tokens_BT = weighted(in_device_order(tokens_BT, layout))
         B = jax.tree.leaves(tokens_BT)[0].shape[0]
         rows_B = row_keys(step_key, B) if noisy else None
         places_BR = jnp.eye(B, dtype=jnp.float32) if trace_routing and moe.experts else None
@@ -336,6 +347,7 @@ def make_eval_step(graphdef: nnx.GraphDef, precision: PrecisionPolicy, layout: L
 
     def eval_step(params, tokens_BT):
         with layout_hooks(eval_hooks(layout)):
-            return token_loss(graphdef, pipeline.to_model_order(params), tokens_BT, precision, loss_chunks)
+            return token_loss(graphdef, pipeline.to_model_order(params), in_device_order(tokens_BT, layout),
+                              precision, loss_chunks)
 
     return eval_step

@@ -1,0 +1,376 @@
+"""Context parallelism: attention across a sequence split over the `context` mesh axis.
+
+Each of the C context devices holds L / C positions of every sequence through the whole block; the
+weights are replicated over `context`. Attention is the one place where positions meet, and it runs
+in a `shard_map` manual over `context` (automatic over the other axes):
+
+- `ring`: the key/value blocks go round the ring with `ppermute`, C - 1 steps, and each device
+  merges the block it holds into its queries' online softmax (output and log-sum-exp). Backward
+  sends each block round again with its gradient accumulators, and one last step takes them home.
+- `allgather`: the keys and values are all-gathered once (grouped-query attention's few key/value
+  heads make that cheap), and the same schedule reads block j from the gathered array.
+
+Block pairs above the causal diagonal are skipped, not masked. Balanced (`parallel.context_balance`,
+the default), the sequence is cut into 2C chunks and device i holds chunks i and 2C - 1 - i
+(`device_order`); then at every step of the ring each device computes exactly two chunk pairs with
+no mask: all its queries against the early chunk of a block from a lower rank, or its late queries
+against both chunks of a block from a higher rank. Unbalanced, device i holds chunk i and computes
+one full pair per lower rank besides its own diagonal one: rank C - 1 does C pairs, rank 0 one
+(`pairs_per_rank` counts them).
+
+Each chunk pair is computed blockwise over `block` keys at a time with an online softmax (fp32), so
+a device's temporaries are one chunk's queries against one block of keys, never L x L. Scores and
+probabilities are recomputed in backward from the saved log-sum-exp, as in jaxpar.model.flash.
+With packed rows, every block pair also masks keys of another document (the ids of the whole
+sequence are all-gathered once; they never travel round the ring).
+
+Shapes: B batch, l local positions (L / C), G key/value heads, R query heads per key/value head,
+K head size. Positions are global (where the token sits in its sequence), so masks need no offsets.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+CONTEXT = "context"
+f32 = jnp.float32
+
+
+def device_order(seq_len: int, context: int, balance: bool) -> np.ndarray:
+    """The positions of a sequence in the order the context devices hold them (device i: the i-th
+    slice of L / C): 0 ... L-1, or balanced, chunks i and 2C - 1 - i of 2C for device i."""
+    if not balance or context == 1:
+        return np.arange(seq_len)
+    chunks = np.arange(seq_len).reshape(2 * context, seq_len // (2 * context))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * context - 1 - i]]) for i in range(context)])
+
+
+def pairs_per_rank(seq_len: int, context: int, balance: bool) -> list[int]:
+    """Query-key position pairs of attention each context rank visits per sequence (jaxpar plan's
+    balance report), as the schedule below runs them."""
+    return _Schedule(context, balance, seq_len // context, (1, 1)).pairs_per_rank()
+
+
+# ---------------------------------------------------------------- one pair of query and key chunks
+
+def _visible(q_pos, k_pos, q_ids, k_ids, causal: bool):
+    """(B or 1, 1, 1, bq, bkv) bools: which keys each query sees (None: all)."""
+    visible = (q_pos[:, None] >= k_pos[None, :])[None, None, None] if causal else None
+    if q_ids is not None:
+        same = (q_ids[:, :, None] == k_ids[:, None, :])[:, None, None]
+        visible = same if visible is None else visible & same
+    return visible
+
+
+def _loop(lower: int, upper: int, body, init):
+    """lax.fori_loop as a while loop, never a scan: differentiating the model's layer scan partially
+    evaluates what it calls, and would keep a scan's every iteration here (every block's softmax
+    statistics, 0.4 GB at 32k positions), where the custom VJP needs none of them."""
+    def step(carry):
+        i, state = carry
+        return i + 1, body(i, state)
+
+    return lax.while_loop(lambda carry: carry[0] < upper, step, (jnp.int32(lower), init))[1]
+
+
+def _rows(x, start, size: int, axis: int = 1):
+    return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+class _Pair:
+    """Queries q (B, lq, G, R, K) against keys and values k, v (B, lk, G, K), `bq` queries by `bkv` keys
+    at a time (blocks lie inside one chunk, so their positions run on by one). Causal: a block pair
+    whose every key comes after every query is skipped."""
+
+    def __init__(self, q, k, v, q_pos, k_pos, q_ids, k_ids, causal: bool, bq: int, bkv: int):
+        self.q, self.k, self.v, self.q_pos, self.k_pos, self.q_ids, self.k_ids = q, k, v, q_pos, k_pos, q_ids, k_ids
+        self.causal, self.bq, self.bkv = causal, bq, bkv
+        self.scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def block(self, q0, k0):
+        """(q block, k block, v block, visible, whether any key of the pair is visible)."""
+        q, k = _rows(self.q, q0, self.bq), _rows(self.k, k0, self.bkv)
+        q_pos, k_pos = _rows(self.q_pos, q0, self.bq, 0), _rows(self.k_pos, k0, self.bkv, 0)
+        visible = _visible(q_pos, k_pos, _rows(self.q_ids, q0, self.bq), _rows(self.k_ids, k0, self.bkv), self.causal)
+        seen = q_pos[-1] >= k_pos[0] if self.causal else True
+        return q, k, _rows(self.v, k0, self.bkv), visible, seen
+
+    def scores(self, q, k, visible):
+        s = jnp.einsum("BLGRK,BPGK->BGRLP", q, k, preferred_element_type=f32) * self.scale
+        return s if visible is None else jnp.where(visible, s, -jnp.inf)
+
+    def forward(self):
+        """(out (B, lq, G, R, K) fp32, lse (B, G, R, lq)) over these keys alone."""
+        B, lq, G, R, K = self.q.shape
+
+        def q_block(i, carry):
+            out, lse = carry
+            q0 = i * self.bq
+
+            def kv_block(j, state):
+                q, k, v, visible, seen = self.block(q0, j * self.bkv)
+
+                def update(state):
+                    m, total, acc = state
+                    scores = self.scores(q, k, visible)
+                    m_new = jnp.maximum(m, scores.max(-1))
+                    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row that sees no key yet
+                    probs = jnp.exp(scores - shift[..., None])
+                    rescale = jnp.exp(m - shift)
+                    pv = jnp.einsum("BGRLP,BPGK->BGRLK", probs.astype(v.dtype), v, preferred_element_type=f32)
+                    return m_new, total * rescale + probs.sum(-1), acc * rescale[..., None] + pv
+
+                return lax.cond(seen, update, lambda state: state, state) if self.causal else update(state)
+
+            init = (jnp.full((B, G, R, self.bq), -jnp.inf, f32), jnp.zeros((B, G, R, self.bq), f32),
+                    jnp.zeros((B, G, R, self.bq, K), f32))
+            m, total, acc = _loop(0, self.k.shape[1] // self.bkv, kv_block, init)
+            some = total > 0
+            o = jnp.where(some[..., None], acc / jnp.where(some, total, 1.0)[..., None], 0.0)
+            lse_i = jnp.where(some, m + jnp.log(jnp.where(some, total, 1.0)), -jnp.inf)
+            out = lax.dynamic_update_slice_in_dim(out, jnp.einsum("BGRLK->BLGRK", o), q0, 1)
+            return out, lax.dynamic_update_slice_in_dim(lse, lse_i, q0, 3)
+
+        init = (jnp.zeros(self.q.shape, f32), jnp.full((B, G, R, lq), -jnp.inf, f32))
+        return _loop(0, lq // self.bq, q_block, init)
+
+    def backward(self, dout, lse, delta, dq):
+        """(dq + this pair's part, dk, dv) in fp32, probabilities recomputed from the final lse."""
+        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+        def kv_block(j, carry):
+            dq, dk, dv = carry
+            k0 = j * self.bkv
+
+            def q_block(i, state):
+                q0 = i * self.bq
+                q, k, v, visible, seen = self.block(q0, k0)
+
+                def update(state):
+                    dq, dk_j, dv_j = state
+                    do = _rows(dout, q0, self.bq)
+                    probs = jnp.exp(self.scores(q, k, visible) - _rows(lse, q0, self.bq, 3)[..., None])
+                    dv_j = dv_j + jnp.einsum("BGRLP,BLGRK->BPGK", probs.astype(do.dtype), do, preferred_element_type=f32)
+                    dprobs = jnp.einsum("BLGRK,BPGK->BGRLP", do, v, preferred_element_type=f32)
+                    dscores = probs * (dprobs - _rows(delta, q0, self.bq, 3)[..., None]) * self.scale
+                    dk_j = dk_j + jnp.einsum("BGRLP,BLGRK->BPGK", dscores.astype(q.dtype), q, preferred_element_type=f32)
+                    dq_i = jnp.einsum("BGRLP,BPGK->BLGRK", dscores.astype(k.dtype), k, preferred_element_type=f32)
+                    return lax.dynamic_update_slice_in_dim(dq, _rows(dq, q0, self.bq) + dq_i, q0, 1), dk_j, dv_j
+
+                return lax.cond(seen, update, lambda state: state, state) if self.causal else update(state)
+
+            zeros = jnp.zeros((*self.k.shape[:1], self.bkv, *self.k.shape[2:]), f32)
+            dq, dk_j, dv_j = _loop(0, self.q.shape[1] // self.bq, q_block, (dq, zeros, zeros))
+            return dq, lax.dynamic_update_slice_in_dim(dk, dk_j, k0, 1), lax.dynamic_update_slice_in_dim(dv, dv_j, k0, 1)
+
+        zeros = jnp.zeros(self.k.shape, f32)
+        return _loop(0, self.k.shape[1] // self.bkv, kv_block, (dq, zeros, zeros))
+
+
+def _merge(o1, lse1, o2, lse2):
+    """Two partial softmax results of the same queries, over disjoint keys, as one."""
+    lse = jnp.logaddexp(lse1, lse2)
+    finite = jnp.isfinite(lse)
+    w1 = jnp.where(finite, jnp.exp(lse1 - jnp.where(finite, lse, 0.0)), 0.0)
+    w2 = jnp.where(finite, jnp.exp(lse2 - jnp.where(finite, lse, 0.0)), 0.0)
+    to_q = lambda w: jnp.einsum("BGRL->BLGR", w)[..., None]  # noqa: E731
+    return o1 * to_q(w1) + o2 * to_q(w2), lse
+
+
+# ---------------------------------------------------------------- the schedule of a context rank
+
+Span = tuple[int, int]
+
+
+class _Schedule:
+    """Which chunk pairs a rank computes against the key/value block of another: `first` against its
+    own block (step 0), `low` against a block from a lower rank, `high` from a higher one. Each pair is
+    (query span, key span, causal) in local positions."""
+
+    def __init__(self, context: int, balance: bool, local: int, blocks: tuple[int, int]):
+        self.C, self.balance, self.local = context, balance, local
+        self.order = device_order(local * context, context, balance).reshape(context, local).astype(np.int32)
+        chunk = local // 2 if balance else local
+        self.bq, self.bkv = (math.gcd(b, chunk) for b in blocks)  # every block inside one chunk
+
+    def positions(self, rank):
+        """The global positions rank `rank` holds (a constant of each trace, made there)."""
+        return jnp.asarray(self.order)[rank]
+
+    def first(self) -> list[tuple[Span, Span, bool]]:
+        l, h = self.local, self.local // 2
+        if self.balance:  # early q x early k, late q x both k: early k of the late chunk is above the diagonal
+            return [((0, h), (0, h), True), ((h, l), (0, l), True)]
+        return [((0, l), (0, l), True)]
+
+    def low(self) -> list[tuple[Span, Span, bool]]:
+        l, h = self.local, self.local // 2
+        return [((0, l), (0, h), False)] if self.balance else [((0, l), (0, l), False)]
+
+    def high(self) -> list[tuple[Span, Span, bool]]:
+        l, h = self.local, self.local // 2
+        return [((h, l), (0, l), False)] if self.balance else []
+
+    def pairs_per_rank(self) -> list[int]:
+        """Query-key position pairs each rank visits per sequence (a diagonal pair whole, though half
+        of it is masked): what `jaxpar plan` reports as the schedule's balance."""
+        size = lambda pairs: sum((q[1] - q[0]) * (k[1] - k[0]) for q, k, _ in pairs)  # noqa: E731
+        return [size(self.first()) + sum(size(self.low() if (i - s) % self.C < i else self.high())
+                                         for s in range(1, self.C)) for i in range(self.C)]
+
+
+def _cut(x, span: Span, axis: int = 1):
+    return None if x is None else lax.slice_in_dim(x, span[0], span[1], axis=axis)
+
+
+def _chunk_pair(schedule, q, k, v, q_pos, k_pos, q_ids, k_ids, qs: Span, ks: Span, causal: bool) -> _Pair:
+    return _Pair(_cut(q, qs), _cut(k, ks), _cut(v, ks), _cut(q_pos, qs, 0), _cut(k_pos, ks, 0), _cut(q_ids, qs),
+                 _cut(k_ids, ks), causal, schedule.bq, schedule.bkv)
+
+
+def _block_of(x, rank, C: int):
+    """Rank `rank`'s block of an array gathered over `context` along axis 1."""
+    return None if x is None else lax.dynamic_index_in_dim(x.reshape(x.shape[0], C, -1, *x.shape[2:]), rank, 1,
+                                                           keepdims=False)
+
+
+def _shift(x):
+    """Each rank's x to the next rank round the ring."""
+    C = lax.axis_size(CONTEXT)
+    return lax.ppermute(x, CONTEXT, [(r, (r + 1) % C) for r in range(C)])
+
+
+def _each_step(schedule: _Schedule, move, compute, carry):
+    """The ring's steps s = 0 ... C-1: carry = compute(pairs, j, carry) against the block of rank j = i - s,
+    its pairs `first` at step 0, then chosen by lax.cond on j < i (`low` or `high`). Before each later
+    step carry = move(carry), outside the cond: every rank must reach the same collectives."""
+    i = lax.axis_index(CONTEXT)
+    carry = compute(schedule.first(), i, carry)
+    high = functools.partial(compute, schedule.high()) if schedule.high() else (lambda j, carry: carry)
+
+    def one(s, carry):
+        j = (i - s) % schedule.C
+        return lax.cond(j < i, functools.partial(compute, schedule.low()), high, j, move(carry))
+
+    return _loop(1, schedule.C, one, carry)
+
+
+def _forward(schedule: _Schedule, ring: bool, q, k, v, ids_all):
+    """(out, lse) of this rank's queries; k, v: this rank's block (ring) or every rank's (all-gather)."""
+    i = lax.axis_index(CONTEXT)
+    B, l, G, R, K = q.shape
+    q_pos, q_ids = schedule.positions(i), _block_of(ids_all, i, schedule.C)
+
+    def step(pairs, j, carry):
+        k_here, v_here, o, lse = carry
+        k_j, v_j = (k_here, v_here) if ring else (_block_of(k, j, schedule.C), _block_of(v, j, schedule.C))
+        k_pos, k_ids = schedule.positions(j), _block_of(ids_all, j, schedule.C)
+        for qs, ks, causal in pairs:
+            o2, lse2 = _chunk_pair(schedule, q, k_j, v_j, q_pos, k_pos, q_ids, k_ids, qs, ks, causal).forward()
+            o_q, lse_q = _merge(_cut(o, qs), _cut(lse, qs, 3), o2, lse2)
+            o = lax.dynamic_update_slice_in_dim(o, o_q, qs[0], 1)
+            lse = lax.dynamic_update_slice_in_dim(lse, lse_q, qs[0], 3)
+        return k_here, v_here, o, lse
+
+    carry = (k, v, jnp.zeros(q.shape, f32), jnp.full((B, G, R, l), -jnp.inf, f32)) if ring else \
+        ((), (), jnp.zeros(q.shape, f32), jnp.full((B, G, R, l), -jnp.inf, f32))
+    move = (lambda c: (_shift(c[0]), _shift(c[1]), *c[2:])) if ring else (lambda c: c)
+    *_, o, lse = _each_step(schedule, move, step, carry)
+    return o.astype(q.dtype), lse
+
+
+def _backward(schedule: _Schedule, ring: bool, q, k, v, ids_all, out, lse, dout):
+    """(dq, dk, dv) in the inputs' dtypes. Ring: each block goes round again with its fp32 gradient
+    accumulators, which one more step takes home. All-gather: the gathered blocks' gradients."""
+    i = lax.axis_index(CONTEXT)
+    q_pos, q_ids = schedule.positions(i), _block_of(ids_all, i, schedule.C)
+    dout = dout.astype(q.dtype)
+    delta = jnp.einsum("BLGRK,BLGRK->BGRL", dout, out, preferred_element_type=f32)
+
+    def step(pairs, j, carry):
+        k_here, v_here, dk, dv, dq = carry
+        k_j, v_j = (k_here, v_here) if ring else (_block_of(k, j, schedule.C), _block_of(v, j, schedule.C))
+        k_pos, k_ids = schedule.positions(j), _block_of(ids_all, j, schedule.C)
+        dk_j, dv_j = (dk, dv) if ring else (_block_of(dk, j, schedule.C), _block_of(dv, j, schedule.C))
+        for qs, ks, causal in pairs:
+            pair = _chunk_pair(schedule, q, k_j, v_j, q_pos, k_pos, q_ids, k_ids, qs, ks, causal)
+            dq_q, dk2, dv2 = pair.backward(_cut(dout, qs), _cut(lse, qs, 3), _cut(delta, qs, 3), _cut(dq, qs))
+            dq = lax.dynamic_update_slice_in_dim(dq, dq_q, qs[0], 1)
+            dk_j = lax.dynamic_update_slice_in_dim(dk_j, _cut(dk_j, ks) + dk2, ks[0], 1)
+            dv_j = lax.dynamic_update_slice_in_dim(dv_j, _cut(dv_j, ks) + dv2, ks[0], 1)
+        if ring:
+            return k_here, v_here, dk_j, dv_j, dq
+        return k_here, v_here, _put_block(dk, dk_j, j, schedule.C), _put_block(dv, dv_j, j, schedule.C), dq
+
+    zeros = lambda x: jnp.zeros(x.shape, f32)  # noqa: E731
+    move = (lambda c: (*(_shift(x) for x in c[:4]), c[4])) if ring else (lambda c: c)
+    _, _, dk, dv, dq = _each_step(schedule, move, step, (k, v, zeros(k), zeros(v), zeros(q)))
+    if ring:  # block i + 1's gradients are here after the last step: one more step takes them home
+        dk, dv = _shift(dk), _shift(dv)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _put_block(x, block, rank, C: int):
+    blocks = x.reshape(x.shape[0], C, -1, *x.shape[2:])
+    return lax.dynamic_update_index_in_dim(blocks, block, rank, 1).reshape(x.shape)
+
+
+def attention(layout, q_BLHK, k_BLGK, v_BLGK, ids_BL, blocks: tuple[int, int]):
+    """Causal attention of q (B, L, H, K) over k, v (B, L, G, K), their L split over `context` in
+    `device_order`, by the layout's parallel.context_attention; ids_BL: packed rows' document ids (in
+    the same order), or None. `blocks`: (queries, keys) per block pair. Output (B, L, H, K).
+
+    A custom VJP around two shard_maps, forward and backward: autodiff never enters the shard_maps."""
+    inside = jax.sharding.get_abstract_mesh()  # in the experts' shard_map: its mesh, some axes manual
+    mesh = layout.mesh if inside.empty else inside
+    C = mesh.shape[CONTEXT]
+    B, L, H, K = q_BLHK.shape
+    G, local = k_BLGK.shape[2], L // C
+    schedule = _Schedule(C, layout.context_balance, local, blocks)
+    ring = layout.context_attention == "ring"
+    seq, lse_spec = PartitionSpec(None, CONTEXT), PartitionSpec(None, None, None, CONTEXT)
+    mapped = functools.partial(jax.shard_map, mesh=mesh, axis_names={CONTEXT}, check_vma=False)
+    ids_spec = None if ids_BL is None else seq
+
+    def gathered(k, v, ids):
+        ids_all = None if ids is None else lax.all_gather(ids, CONTEXT, axis=1, tiled=True)
+        if not ring:
+            k, v = (lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v))
+        return k, v, ids_all
+
+    def forward_body(q, k, v, ids):
+        out, lse = _forward(schedule, ring, q.reshape(q.shape[0], local, G, H // G, K), *gathered(k, v, ids))
+        return out.reshape(out.shape[0], local, H, K), lse
+
+    def backward_body(q, k, v, ids, out, lse, dout):
+        to_groups = lambda x: x.reshape(x.shape[0], local, G, H // G, K)  # noqa: E731
+        k_all, v_all, ids_all = gathered(k, v, ids)
+        dq, dk, dv = _backward(schedule, ring, to_groups(q), k_all, v_all, ids_all, to_groups(out), lse,
+                               to_groups(dout))
+        if not ring:  # the all-gather's transpose: each rank's block, summed over the ranks
+            dk, dv = (lax.psum_scatter(x, CONTEXT, scatter_dimension=1, tiled=True) for x in (dk, dv))
+        return dq.reshape(q.shape), dk, dv
+
+    forward = mapped(forward_body, in_specs=(seq, seq, seq, ids_spec), out_specs=(seq, lse_spec))
+    backward = mapped(backward_body, in_specs=(seq, seq, seq, ids_spec, seq, lse_spec, seq), out_specs=(seq,) * 3)
+
+    @jax.custom_vjp
+    def attend(q, k, v, ids):
+        return forward(q, k, v, ids)[0]
+
+    def attend_fwd(q, k, v, ids):
+        out, lse = forward(q, k, v, ids)
+        return out, (q, k, v, ids, out, lse)
+
+    def attend_bwd(residuals, dout):
+        return (*backward(*residuals, dout), None)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(q_BLHK, k_BLGK, v_BLGK, ids_BL)
