@@ -16,7 +16,7 @@ the default), the sequence is cut into 2C chunks and device i holds chunks i and
 no mask: all its queries against the early chunk of a block from a lower rank, or its late queries
 against both chunks of a block from a higher rank. Unbalanced, device i holds chunk i and computes
 one full pair per lower rank besides its own diagonal one: rank C - 1 does C pairs, rank 0 one
-(`pairs_per_rank` counts them).
+(`blocks_per_rank` counts the block pairs computed).
 
 Each chunk pair is computed blockwise over `block` keys at a time with an online softmax (fp32), so
 a device's temporaries are one chunk's queries against one block of keys, never L x L. Scores and
@@ -52,10 +52,10 @@ def device_order(seq_len: int, context: int, balance: bool) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * context - 1 - i]]) for i in range(context)])
 
 
-def pairs_per_rank(seq_len: int, context: int, balance: bool) -> list[int]:
-    """Query-key position pairs of attention each context rank visits per sequence (jaxpar plan's
-    balance report), as the schedule below runs them."""
-    return _Schedule(context, balance, seq_len // context, (1, 1)).pairs_per_rank()
+def blocks_per_rank(seq_len: int, context: int, balance: bool, blocks: tuple[int, int]) -> list[int]:
+    """Block pairs of attention each context rank computes per sequence (jaxpar plan's balance
+    report), as the schedule below runs them with `blocks` (queries, keys) per block pair."""
+    return _Schedule(context, balance, seq_len // context, blocks).blocks_per_rank()
 
 
 # ---------------------------------------------------------------- one pair of query and key chunks
@@ -218,12 +218,21 @@ class _Schedule:
         l, h = self.local, self.local // 2
         return [((h, l), (0, l), False)] if self.balance else []
 
-    def pairs_per_rank(self) -> list[int]:
-        """Query-key position pairs each rank visits per sequence (a diagonal pair whole, though half
-        of it is masked): what `jaxpar plan` reports as the schedule's balance."""
-        size = lambda pairs: sum((q[1] - q[0]) * (k[1] - k[0]) for q, k, _ in pairs)  # noqa: E731
-        return [size(self.first()) + sum(size(self.low() if (i - s) % self.C < i else self.high())
-                                         for s in range(1, self.C)) for i in range(self.C)]
+    def blocks_per_rank(self) -> list[int]:
+        """(bq x bkv) block pairs of attention each rank computes per sequence, as _Pair visits them (in a
+        causal pair, none whose keys all come after its queries): `jaxpar plan`'s balance report."""
+        def computed(i: int, j: int, pairs) -> int:
+            q_pos, k_pos = self.order[i], self.order[j]
+            return sum(int(not causal or q_pos[q + self.bq - 1] >= k_pos[k])
+                       for qs, ks, causal in pairs
+                       for q in range(qs[0], qs[1], self.bq) for k in range(ks[0], ks[1], self.bkv))
+
+        def ring(i: int) -> int:
+            later = [(i - s) % self.C for s in range(1, self.C)]
+            return computed(i, i, self.first()) + sum(computed(i, j, self.low() if j < i else self.high())
+                                                      for j in later)
+
+        return [ring(i) for i in range(self.C)]
 
 
 def _cut(x, span: Span, axis: int = 1):

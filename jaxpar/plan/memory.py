@@ -13,6 +13,7 @@ import math
 
 import jax
 
+from jaxpar.parallel.context import blocks_per_rank
 from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts
 from jaxpar.plan.collectives import bytes_by_op, collectives
 from jaxpar.plan.hlo import executed_cost, matmul_flops, parse, written_bytes
@@ -94,7 +95,19 @@ def measure_step(trainer) -> dict:
         "collective_ops": [
             {"op": c.op, "mesh_axes": list(c.mesh_axes), "bytes": c.bytes, "wire_bytes": c.wire_bytes,
              "count": c.count} for c in found],
+        **_context_balance(trainer),
     }
+
+
+def _context_balance(trainer) -> dict:
+    """With mesh.context > 1: the block pairs of attention each context rank computes per sequence, as
+    the schedule runs them (jaxpar.parallel.context), and their max / mean."""
+    layout, model = trainer.layout, trainer.cfg.model
+    if layout.context == 1:
+        return {}
+    blocks = blocks_per_rank(model.seq_len, layout.context, layout.context_balance, model.flash_blocks())
+    return {"context": {"attention": layout.context_attention, "balanced": layout.context_balance,
+                        "blocks_per_rank": blocks, "max_over_mean": max(blocks) / (sum(blocks) / len(blocks))}}
 
 
 def format_report(plan: dict) -> str:
@@ -121,15 +134,20 @@ def format_report(plan: dict) -> str:
         lines.append(f"{'  executed (mean of devices)':<32}{plan['executed_flops']:>18.4g}")
         for stage, flops in enumerate(plan["executed_flops_per_stage"]):
             lines.append(f"{f'  executed by stage {stage}':<32}{flops:>18.4g}")
+    if "context" in plan:
+        c = plan["context"]
+        lines.append(f"{'context attention':<32}{c['attention']}, {'balanced' if c['balanced'] else 'unbalanced'}: "
+                     f"block pairs per rank max / mean {c['max_over_mean']:.2f} "
+                     f"({min(c['blocks_per_rank']):,d} to {max(c['blocks_per_rank']):,d})")
     lines.append("")
-    lines.append(f"{'collective':<18}{'mesh axes':<14}{'count':>6}{'bytes/step':>20}{'sent bytes/step':>20}")
+    lines.append(f"{'collective':<20}{'mesh axes':<14}{'count':>6}{'bytes/step':>20}{'sent bytes/step':>20}")
     for c in plan["collective_ops"]:
         axes = ",".join(c["mesh_axes"]) or "-"
-        lines.append(f"{c['op']:<18}{axes:<14}{c['count']:>6d}{c['bytes'] * c['count']:>20,d}"
+        lines.append(f"{c['op']:<20}{axes:<14}{c['count']:>6d}{c['bytes'] * c['count']:>20,d}"
                      f"{c['wire_bytes'] * c['count']:>20,d}")
     if plan["collective_ops"]:
         sent = sum(plan["collective_wire_bytes"].values())
-        lines.append(f"{'total':<38}{sum(plan['collectives'].values()):>20,d}{sent:>20,d}")
+        lines.append(f"{'total':<40}{sum(plan['collectives'].values()):>20,d}{sent:>20,d}")
         lines.append("(bytes: each result's size; sent: what each device sends with ring algorithms)")
     else:
         lines.append("(none)")
