@@ -79,8 +79,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary positions (Qwen 3)
     mlp: Literal["gelu", "swiglu"] = "gelu"
     # dot: the L x L scores; flash: blockwise, O(L) memory on any backend; cudnn: jax.nn.dot_product_attention's
-    # cuDNN kernel (GPU, bf16/fp16); auto: cudnn where it runs, else flash when the sequence spans several blocks,
-    # else dot
+    # cuDNN kernel (GPU, bf16/fp16); auto: cudnn where it runs, else flash over several blocks, else dot
     attention: Literal["dot", "flash", "cudnn", "auto"] = "dot"
     flash_block_q: int = 512  # query positions per flash block (at most seq_len)
     flash_block_kv: int = 512  # key positions per flash block (at most seq_len)
@@ -158,8 +157,7 @@ class TrainConfig:
     loss_scale_window: int = 2000
     lr_schedule_steps: int = 0  # horizon of the warmup+cosine schedule; 0 means train.steps
     on_nonfinite: Literal["stop", "skip"] = "stop"
-    # pinned host memory for the optimizer state (brought to the device for the update), for the
-    # layer inputs that full remat keeps (the remat policy offloads them), or for both
+    # pinned host memory for the optimizer state (brought to the device for the update), full remat's layer inputs
     offload: Literal["none", "optimizer", "activations", "both"] = "none"
     loss_chunks: int = 1  # logits + loss in N strided chunks of the sequence (train/chunked_loss.py); 0: automatic
 
@@ -187,23 +185,19 @@ class ParallelConfig:
     """How work and state are partitioned beyond plain data/tensor parallelism."""
 
     zero: Literal[0, 1, 2, 3] = 0  # ZeRO stage over the data-parallel devices (jaxpar.switches.ZeroStage)
-    # Megatron sequence parallelism: between blocks the residual stream is split over mesh.tensor along
-    # the sequence (all-gathered before the column-parallel matmuls, reduce-scattered after the row-parallel ones)
+    # Megatron sequence parallelism: between blocks the residual stream's sequence is split over mesh.tensor
     sequence: bool = False
-    # the payload dtype of data-parallel gradient all-reduces and reduce-scatters (bf16: half the bytes);
-    # the reduced gradient is accumulated into the fp32 master in fp32 either way
+    # the data-parallel gradient reductions' payload (bf16: half the bytes; accumulated into fp32 either way)
     grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    # local SGD (DiLoCo): each data-parallel replica takes sync_every optimizer steps on its own rows, then
-    # the replicas synchronize: `avg` averages their weights, `nesterov` takes an outer Nesterov step of
-    # outer_lr and outer_momentum on the averaged change. 1: synchronous data parallelism
+    # local SGD (DiLoCo): each data-parallel replica takes sync_every steps on its own rows, then the replicas
+    # synchronize: `avg` averages weights, `nesterov` takes an outer Nesterov step on the averaged change (1: sync)
     sync_every: int = 1
     outer: Literal["avg", "nesterov"] = "avg"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     pipeline: PipelineConfig = PipelineConfig()
-    # with mesh.context > 1, how attention reaches the keys of other context devices: `ring` passes key/value
-    # blocks round the ring (ppermute), `allgather` gathers them once; balanced (causal masks): device i holds
-    # chunks i and 2C-1-i of 2C, so every device does the same attention work
+    # mesh.context > 1: attention across the split sequence (jaxpar.parallel.context), its key/value blocks passed
+    # round a ring or all-gathered; balanced: device i holds chunks i and 2C-1-i of 2C, the same causal work for all
     context_attention: Literal["ring", "allgather"] = "ring"
     context_balance: bool = True
 
@@ -274,7 +268,7 @@ def _as_dict(obj) -> dict:
             for f in dataclasses.fields(obj)}
 
 
-MESH_AXES = ("data", "tensor", "expert", "stage", "context")  # context last: a nested shard_map over it keeps manual axes in mesh order
+MESH_AXES = ("data", "tensor", "expert", "stage", "context")  # context last: its shard_map nests in one over stage
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 

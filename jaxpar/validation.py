@@ -162,22 +162,25 @@ def _validate_attention(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"parallel.sequence=true needs the {m.kv_heads} key/value heads (model.n_kv_heads) to be "
                           f"divisible by mesh.tensor={tensor}.")
     if cfg.parallel.sequence and m.seq_len % (tensor * sizes["context"]):
-        raise ConfigError(f"parallel.sequence=true splits model.seq_len={m.seq_len} over mesh.tensor={tensor} "
-                          f"x mesh.context={sizes['context']}, which does not divide it.")
-    _validate_context(cfg, sizes["context"], sizes["stage"])
+        across = f" x mesh.context={sizes['context']}" if sizes["context"] > 1 else ""
+        raise ConfigError(f"parallel.sequence=true splits model.seq_len={m.seq_len} over mesh.tensor={tensor}{across}, "
+                          f"which does not divide it.")
+    _validate_context(cfg, sizes)
 
 
-def _validate_context(cfg: Config, context: int, stages: int) -> None:
-    m, chunks = cfg.model, 2 * context if cfg.parallel.context_balance else context
-    if context > 1 and stages > 1:  # a stage's idle ticks would skip the ring's collectives the others wait in
-        raise ConfigError("mesh.context > 1 does not run with pipeline stages (mesh.stage > 1) yet.")
-    if context > 1 and m.moe.experts and cfg.parallel.context_balance:
+def _validate_context(cfg: Config, sizes: dict[str, int]) -> None:
+    m, p, context = cfg.model, cfg.parallel, sizes["context"]
+    chunks = 2 * context if p.context_balance else context  # with stages, others hang or abort XLA (jax 0.12.0.1):
+    if context > 1 and sizes["stage"] > 1 and (p.context_attention == "ring" or not p.context_balance
+                                               or sizes["tensor"] > 1):
+        raise ConfigError("mesh.context with pipeline stages runs only with parallel.context_attention=allgather, "
+                          "parallel.context_balance=true and mesh.tensor=1.")
+    if context > 1 and m.moe.experts and p.context_balance:
         raise ConfigError("MoE routing groups take consecutive tokens, which balanced context parallelism reorders; "
                           "set parallel.context_balance=false with model.moe.experts.")
     if context > 1 and m.seq_len % chunks:
         raise ConfigError(f"mesh.context={context} cuts model.seq_len={m.seq_len} into {chunks} chunks"
-                          f"{' (balanced: 2 x context)' if cfg.parallel.context_balance else ''}, which do not "
-                          f"divide it.")
+                          f"{' (balanced: 2 x context)' if p.context_balance else ''}, which do not divide it.")
     if context > 1 and m.attention == "cudnn":
         raise ConfigError(f"model.attention=cudnn cannot run across mesh.context={context}: cuDNN's kernel takes "
                           f"whole sequences; use flash or dot, which jaxpar's context attention runs per block.")

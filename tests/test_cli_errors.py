@@ -104,6 +104,16 @@ BAD_INPUTS = {
     "loss chunks not splitting over tensor": (
         ["mesh.data=2", "mesh.tensor=4", "parallel.sequence=true", "train.loss_chunks=64"],
         "or divide model.seq_len=128 into chunks divisible by mesh.tensor=4 (sequence parallelism)."),
+    "context chunks not dividing seq_len": (["mesh.context=8", "model.seq_len=120"],
+                                            "mesh.context=8 cuts model.seq_len=120 into 16 chunks (balanced: 2 x "
+                                            "context), which do not divide it."),
+    "cudnn attention across context": (["mesh.context=2", "model.attention=cudnn", "train.precision=bf16"],
+                                       "model.attention=cudnn cannot run across mesh.context=2"),
+    "context ring with pipeline stages": (["mesh.data=2", "mesh.context=2", "mesh.stage=2"],
+                                          "mesh.context with pipeline stages runs only with "
+                                          "parallel.context_attention=allgather"),
+    "balanced context with MoE": (["mesh.context=2", "model.moe.experts=4"],
+                                  "set parallel.context_balance=false with model.moe.experts."),
 }
 
 

@@ -57,7 +57,8 @@ def test_shipped_presets_load_and_validate():
 
 
 def test_mesh_resolution():
-    assert resolve_mesh(MeshConfig(data=-1, tensor=2), 8) == {"data": 4, "tensor": 2, "expert": 1, "stage": 1}
+    assert resolve_mesh(MeshConfig(data=-1, tensor=2), 8) == {"data": 4, "tensor": 2, "expert": 1, "stage": 1,
+                                                                 "context": 1}
     with pytest.raises(ConfigError, match="multiply to 6 but there are 8 devices"):
         resolve_mesh(MeshConfig(data=3, tensor=2), 8)
     with pytest.raises(ConfigError, match="only one mesh axis may be -1"):

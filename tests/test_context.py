@@ -95,6 +95,9 @@ LAYOUTS = {
     "GQA kv=2, flash, context=4": ["mesh.data=1", "mesh.context=4", "run.devices=4", "model.n_kv_heads=2",
                                    "model.attention=flash", "model.flash_block_q=8", "model.flash_block_kv=4"],
     "packed rows, context=2": ["mesh.data=1", "mesh.context=2", "run.devices=2", "data.packing=pack"],
+    "context=2 x stage=2, 1F1B, all-gather": ["mesh.data=1", "mesh.context=2", "mesh.stage=2", "run.devices=4",
+                                             "parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=2",
+                                             "parallel.context_attention=allgather"],
     "MoE dropless, expert=2 x context=2, unbalanced": [
         "mesh.data=1", "mesh.expert=2", "mesh.context=2", "run.devices=4", "model.moe.experts=4",
         "model.moe.router=dropless", "parallel.context_balance=false"],

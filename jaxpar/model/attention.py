@@ -17,7 +17,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.axes import column_parallel, constrain, context_attention, fp32_einsum, param, row_parallel, zeros_param
+from jaxpar.model.axes import (
+    column_parallel,
+    constrain,
+    context_attention,
+    fp32_einsum,
+    param,
+    row_parallel,
+    zeros_param,
+)
 from jaxpar.model.flash import flash_attention
 from jaxpar.model.layers import RMSNorm, rope_frequencies, rotary
 from jaxpar.model.segments import Segments

@@ -80,6 +80,10 @@ def _loop(lower: int, upper: int, body, init):
     return lax.while_loop(lambda carry: carry[0] < upper, step, (jnp.int32(lower), init))[1]
 
 
+def _einsum(equation: str, a, b):
+    return jnp.einsum(equation, a, b, preferred_element_type=f32)
+
+
 def _rows(x, start, size: int, axis: int = 1):
     return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis)
 
@@ -103,7 +107,7 @@ class _Pair:
         return q, k, _rows(self.v, k0, self.bkv), visible, seen
 
     def scores(self, q, k, visible):
-        s = jnp.einsum("BLGRK,BPGK->BGRLP", q, k, preferred_element_type=f32) * self.scale
+        s = _einsum("BLGRK,BPGK->BGRLP", q, k) * self.scale
         return s if visible is None else jnp.where(visible, s, -jnp.inf)
 
     def forward(self):
@@ -124,7 +128,7 @@ class _Pair:
                     shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row that sees no key yet
                     probs = jnp.exp(scores - shift[..., None])
                     rescale = jnp.exp(m - shift)
-                    pv = jnp.einsum("BGRLP,BPGK->BGRLK", probs.astype(v.dtype), v, preferred_element_type=f32)
+                    pv = _einsum("BGRLP,BPGK->BGRLK", probs.astype(v.dtype), v)
                     return m_new, total * rescale + probs.sum(-1), acc * rescale[..., None] + pv
 
                 return lax.cond(seen, update, lambda state: state, state) if self.causal else update(state)
@@ -157,18 +161,19 @@ class _Pair:
                     dq, dk_j, dv_j = state
                     do = _rows(dout, q0, self.bq)
                     probs = jnp.exp(self.scores(q, k, visible) - _rows(lse, q0, self.bq, 3)[..., None])
-                    dv_j = dv_j + jnp.einsum("BGRLP,BLGRK->BPGK", probs.astype(do.dtype), do, preferred_element_type=f32)
-                    dprobs = jnp.einsum("BLGRK,BPGK->BGRLP", do, v, preferred_element_type=f32)
+                    dv_j = dv_j + _einsum("BGRLP,BLGRK->BPGK", probs.astype(do.dtype), do)
+                    dprobs = _einsum("BLGRK,BPGK->BGRLP", do, v)
                     dscores = probs * (dprobs - _rows(delta, q0, self.bq, 3)[..., None]) * self.scale
-                    dk_j = dk_j + jnp.einsum("BGRLP,BLGRK->BPGK", dscores.astype(q.dtype), q, preferred_element_type=f32)
-                    dq_i = jnp.einsum("BGRLP,BPGK->BLGRK", dscores.astype(k.dtype), k, preferred_element_type=f32)
+                    dk_j = dk_j + _einsum("BGRLP,BLGRK->BPGK", dscores.astype(q.dtype), q)
+                    dq_i = _einsum("BGRLP,BPGK->BLGRK", dscores.astype(k.dtype), k)
                     return lax.dynamic_update_slice_in_dim(dq, _rows(dq, q0, self.bq) + dq_i, q0, 1), dk_j, dv_j
 
                 return lax.cond(seen, update, lambda state: state, state) if self.causal else update(state)
 
             zeros = jnp.zeros((*self.k.shape[:1], self.bkv, *self.k.shape[2:]), f32)
             dq, dk_j, dv_j = _loop(0, self.q.shape[1] // self.bq, q_block, (dq, zeros, zeros))
-            return dq, lax.dynamic_update_slice_in_dim(dk, dk_j, k0, 1), lax.dynamic_update_slice_in_dim(dv, dv_j, k0, 1)
+            put = lambda x, block: lax.dynamic_update_slice_in_dim(x, block, k0, 1)  # noqa: E731
+            return dq, put(dk, dk_j), put(dv, dv_j)
 
         zeros = jnp.zeros(self.k.shape, f32)
         return _loop(0, self.k.shape[1] // self.bkv, kv_block, (dq, zeros, zeros))
@@ -205,18 +210,18 @@ class _Schedule:
         return jnp.asarray(self.order)[rank]
 
     def first(self) -> list[tuple[Span, Span, bool]]:
-        l, h = self.local, self.local // 2
+        n, h = self.local, self.local // 2
         if self.balance:  # early q x early k, late q x both k: early k of the late chunk is above the diagonal
-            return [((0, h), (0, h), True), ((h, l), (0, l), True)]
-        return [((0, l), (0, l), True)]
+            return [((0, h), (0, h), True), ((h, n), (0, n), True)]
+        return [((0, n), (0, n), True)]
 
     def low(self) -> list[tuple[Span, Span, bool]]:
-        l, h = self.local, self.local // 2
-        return [((0, l), (0, h), False)] if self.balance else [((0, l), (0, l), False)]
+        n, h = self.local, self.local // 2
+        return [((0, n), (0, h), False)] if self.balance else [((0, n), (0, n), False)]
 
     def high(self) -> list[tuple[Span, Span, bool]]:
-        l, h = self.local, self.local // 2
-        return [((h, l), (0, l), False)] if self.balance else []
+        n, h = self.local, self.local // 2
+        return [((h, n), (0, n), False)] if self.balance else []
 
     def blocks_per_rank(self) -> list[int]:
         """(bq x bkv) block pairs of attention each rank computes per sequence, as _Pair visits them (in a
@@ -274,7 +279,7 @@ def _each_step(schedule: _Schedule, move, compute, carry):
 def _forward(schedule: _Schedule, ring: bool, q, k, v, ids_all):
     """(out, lse) of this rank's queries; k, v: this rank's block (ring) or every rank's (all-gather)."""
     i = lax.axis_index(CONTEXT)
-    B, l, G, R, K = q.shape
+    B, n, G, R, K = q.shape
     q_pos, q_ids = schedule.positions(i), _block_of(ids_all, i, schedule.C)
 
     def step(pairs, j, carry):
@@ -288,8 +293,8 @@ def _forward(schedule: _Schedule, ring: bool, q, k, v, ids_all):
             lse = lax.dynamic_update_slice_in_dim(lse, lse_q, qs[0], 3)
         return k_here, v_here, o, lse
 
-    carry = (k, v, jnp.zeros(q.shape, f32), jnp.full((B, G, R, l), -jnp.inf, f32)) if ring else \
-        ((), (), jnp.zeros(q.shape, f32), jnp.full((B, G, R, l), -jnp.inf, f32))
+    start = (jnp.zeros(q.shape, f32), jnp.full((B, G, R, n), -jnp.inf, f32))
+    carry = (k, v, *start) if ring else ((), (), *start)
     move = (lambda c: (_shift(c[0]), _shift(c[1]), *c[2:])) if ring else (lambda c: c)
     *_, o, lse = _each_step(schedule, move, step, carry)
     return o.astype(q.dtype), lse

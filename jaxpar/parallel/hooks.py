@@ -13,11 +13,10 @@ Two implementations, both complete:
   the full replicated weight, differentiates this device's slice, and a custom VJP gives the
   slice its reduce-scattered gradient.
 
-Both run the model's column- and row-parallel matmuls. Under sequence parallelism, where no
-enclosing shard_map is manual, each is a shard_map over tensor and the batch axes with its
-collective by hand (an all-gather of the sequence before, a reduce-scatter after) and a
-custom VJP; inside a pipeline or expert shard_map the residual stream's constraints leave them
-to the partitioner.
+Both run attention across mesh.context (jaxpar.parallel.context) and the column- and row-parallel
+matmuls: under sequence parallelism, with no enclosing manual shard_map, each a shard_map over tensor
+and the batch axes with its collective by hand (all-gather before, reduce-scatter after) and a custom
+VJP; inside a pipeline or expert shard_map the residual stream's constraints leave them to XLA.
 """
 
 from __future__ import annotations
