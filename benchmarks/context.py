@@ -20,8 +20,18 @@ import os
 import statistics
 import sys
 
-from common import (git_commit, host_batches, machine_line, machine_record, markdown, parse_steps, run_line,
-                    step_parser, time_trainer, trainer_on)
+from common import (
+    git_commit,
+    host_batches,
+    machine_line,
+    machine_record,
+    markdown,
+    parse_steps,
+    run_line,
+    step_parser,
+    time_trainer,
+    trainer_on,
+)
 
 from jaxpar.presets import load_config
 from jaxpar.runtime import setup_devices

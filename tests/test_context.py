@@ -128,8 +128,10 @@ def test_the_ring_sends_each_key_value_block_once_a_step(session_for):
     assert plan["collectives"]["collective-permute"] == m.n_layers * (forward + backward)
     assert plan["context"]["max_over_mean"] == 1.0
     gathered = measure_step(Trainer(session_for(*TINY, "mesh.data=1", f"mesh.context={C}", f"run.devices={C}",
-                                                "parallel.context_attention=allgather")))
+                                                "parallel.context_attention=allgather", "parallel.zero=3")))
     assert gathered["collectives"]["collective-permute"] == 0 and gathered["collectives"]["all-gather"] > 0
+    # ZeRO-3 shards the state over `context` too: the weights are replicated there, their gradients summed
+    assert gathered["params_bytes"] * C == plan["params_bytes"]
 
 
 def _planned(*overrides: str) -> dict:

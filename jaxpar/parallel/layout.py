@@ -69,6 +69,7 @@ class Layout:
     layer_weights_at: tuple[str, ...]
     reduce_dtype: object  # the payload of the data-parallel gradient reductions (parallel.grad_reduce_dtype)
     output_grad_dtype: object  # the fp32 logits' and scores' gradient entering their matmuls' backward
+    zero_axes: tuple[str, ...] = ("data", "expert")  # what ZeRO shards the state over (see build)
     context_attention: str = "ring"  # with mesh.context > 1: parallel.context_attention
     context_balance: bool = True  # parallel.context_balance
 
@@ -96,13 +97,18 @@ class Layout:
                         or jnp.dtype(reduce_dtype) != jnp.float32)
         manual_data = data_axes if manual_batch else ()
         batch_ways = math.prod(sizes[a] for a in data_axes)
+        # ZeRO shards the state over every axis the weights are replicated on while their gradients are summed:
+        # the batch axes and `context`, as MaxText's FSDP does, where the partitioner runs its collectives (with
+        # the batch axes manual, ZeRO's collectives are written by hand over them alone)
+        zero_axes = data_parallel_axes(rules) + (() if manual_batch else ("context",))
         weights = {}
         for path, v in jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=_is_var)[0]:
             shape = v.get_value().shape
             names = logical_names(v, len(shape))
             spec = logical_to_spec(names, rules)
             weights[path_names(path)] = WeightPlan(
-                names, spec, zero_spec(spec, shape, names, sizes), zero_dim(spec, shape, names, sizes), is_stacked(v),
+                names, spec, zero_spec(spec, shape, names, sizes, zero_axes),
+                zero_dim(spec, shape, names, sizes, zero_axes), is_stacked(v),
                 frozenset(a for e in spec for a in ((e,) if isinstance(e, str) else e or ())))
         return cls(mesh=mesh, zero=ZeroStage(zero), rules=types.MappingProxyType(dict(rules)),
                    compute_dtype=compute_dtype, sizes=types.MappingProxyType(sizes), data_axes=data_axes,
@@ -110,7 +116,7 @@ class Layout:
                    manual=manual_data + (("stage",) if pipelined else ()),
                    traced_batch_shards=1 if manual_data else batch_ways, weights=types.MappingProxyType(weights),
                    layer_weights_at=tuple(layer_weights_at), reduce_dtype=reduce_dtype,
-                   output_grad_dtype=output_grad_dtype, context_attention=context_attention,
+                   output_grad_dtype=output_grad_dtype, zero_axes=zero_axes, context_attention=context_attention,
                    context_balance=context_balance)
 
     @property
@@ -136,7 +142,7 @@ class Layout:
     def spec(self, names: tuple, shape: tuple, zero: bool) -> PartitionSpec:
         """The rules-table spec of a leaf, with ZeRO sharding added when `zero`."""
         spec = logical_to_spec(names, self.rules)
-        return zero_spec(spec, shape, names, self.sizes) if zero else spec
+        return zero_spec(spec, shape, names, self.sizes, self.zero_axes) if zero else spec
 
     def _specs(self, tree, zero: bool):
         def one(x):

@@ -21,16 +21,17 @@ def _axes_of(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def zero_dim(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_sizes: dict[str, int]):
+def zero_dim(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_sizes: dict[str, int],
+             over: tuple[str, ...] = DATA_PARALLEL_AXES):
     """(dimension, axes) to shard over for ZeRO, or None when no dimension can take it.
 
-    The axes are the data-parallel axes of size > 1 that the spec does not use yet; the
-    dimension is the one with the largest local size that they divide, never 'layers' (so a
-    layer's slice of a stacked weight stays spread over all devices).
+    The axes are those of `over` (the data-parallel axes, and the layout may add `context`) of size
+    > 1 that the spec does not use yet; the dimension is the one with the largest local size that
+    they divide, never 'layers' (so a layer's slice of a stacked weight stays spread over all devices).
     """
     entries = list(spec) + [None] * (len(shape) - len(spec))
     used = {a for e in entries for a in _axes_of(e)}
-    axes = tuple(a for a in DATA_PARALLEL_AXES if a not in used and mesh_sizes.get(a, 1) > 1)
+    axes = tuple(a for a in over if a not in used and mesh_sizes.get(a, 1) > 1)
     if not axes:
         return None
     ways = math.prod(mesh_sizes[a] for a in axes)
@@ -41,9 +42,10 @@ def zero_dim(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_siz
     return None
 
 
-def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_sizes: dict[str, int]) -> PartitionSpec:
-    """The spec with the data-parallel axes added on the dimension `zero_dim` picks."""
-    found = zero_dim(spec, shape, names, mesh_sizes)
+def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_sizes: dict[str, int],
+              over: tuple[str, ...] = DATA_PARALLEL_AXES) -> PartitionSpec:
+    """The spec with the axes of `over` added on the dimension `zero_dim` picks."""
+    found = zero_dim(spec, shape, names, mesh_sizes, over)
     if found is None:
         return spec
     d, axes = found

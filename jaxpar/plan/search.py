@@ -110,7 +110,7 @@ def enumerate_layouts(cfg: Config, n: int, fixed: dict, processes: int = 1) -> l
     does not fit: every later rung is predicted no faster."""
     ladders = []
     for mesh in _meshes(cfg, n, fixed):
-        shards_state = mesh["mesh.data"] * mesh["mesh.expert"] > 1
+        shards_state = mesh["mesh.data"] * mesh["mesh.expert"] * mesh.get("mesh.context", 1) > 1
         # without a data axis every ZeRO stage computes stage 0's program: one is enough (a held one, as held)
         zeros = ZERO_STAGES if shards_state else [fixed.get("parallel.zero", ZERO_STAGES[0])]
         for pipeline, zero in itertools.product(_pipelines(mesh), zeros):
