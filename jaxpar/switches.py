@@ -64,7 +64,8 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("parallel.pipeline.microbatches", _never, searched=True),  # named with the schedule
     Switch("parallel.pipeline.virtual", _never, searched=True),
     Switch("parallel.zero", _unless(0, "zero={value}"), reference=0, searched=True, with_local_sgd=False),
-    Switch("parallel.context_attention", lambda value, cfg, sizes: value if sizes["context"] > 1 else None),
+    Switch("parallel.context_attention", lambda value, cfg, sizes: value if sizes["context"] > 1 else None,
+           searched=True),
     Switch("parallel.context_balance",
            lambda value, cfg, sizes: None if sizes["context"] == 1 or value else "unbalanced"),
     Switch("parallel.sequence", _unless(False, "sequence"), reference=False, with_local_sgd=False),

@@ -152,3 +152,16 @@ def test_a_long_sequence_split_eight_ways_needs_a_fifth_of_the_memory():
     whole = _planned(*long, "run.devices=1")["temp_bytes"]
     split = _planned(*long, "mesh.context=8")["temp_bytes"]
     assert split <= 0.2 * whole, (split, whole)
+
+
+def test_the_search_tries_context_sizes_while_a_chunk_holds_a_key_block():
+    from jaxpar.plan.search import enumerate_layouts
+    from jaxpar.presets import load_config
+
+    long = load_config(None, ["model.seq_len=4096", "model.attention=flash"])  # key blocks of 512
+    tried = {(rungs[0].get("mesh.context", 1), rungs[0].get("parallel.context_attention"))
+             for rungs in enumerate_layouts(long, 8, {})}
+    # context 8 would cut 4096 positions into chunks of 256, under a block
+    assert tried == {(1, None), (2, "ring"), (2, "allgather"), (4, "ring"), (4, "allgather")}
+    short = load_config(None)  # 128 positions: one block, nothing to split
+    assert {rungs[0].get("mesh.context", 1) for rungs in enumerate_layouts(short, 8, {})} == {1}

@@ -442,7 +442,7 @@ def test_an_elastic_start_keeps_the_configs_mesh_when_it_fits_and_else_takes_the
     written = base.replace(**{"mesh.data": 2, "mesh.tensor": 4})  # 8 devices as written
     planned = replan_module.replan(written, four)
     assert (planned.mesh.data, planned.mesh.tensor, planned.train.grad_accum, searched) == (2, 2, 4, [4])
-    assert "mesh.data=2 mesh.tensor=4 mesh.expert=1 mesh.stage=1 does not lay out on 4 devices, so the planner's " \
+    assert "mesh.data=2 mesh.tensor=4 does not lay out on 4 devices, so the planner's " \
            "best layout that fits: data=2 tensor=2" in capsys.readouterr().err
     fits[0] = False  # the config's mesh lays out, but over the memory budget
     assert replan_module.replan(base, four).train.grad_accum == 4 and searched == [4, 4]

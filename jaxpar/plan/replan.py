@@ -97,7 +97,8 @@ def _decide(cfg: Config, devices: list, rows: float | None, before: int | None) 
             reason = f"does not fit {budget / 1e9:.3g} GB per device"
         except ConfigError as e:
             reason = f"cannot be kept ({str(e).rstrip('.')})"
-    mesh = " ".join(f"mesh.{axis}={size}" for axis, size in cfg.to_dict()["mesh"].items() if axis != "hosts")
+    mesh = " ".join(f"mesh.{axis}={size}" for axis, size in cfg.to_dict()["mesh"].items()
+                    if axis != "hosts" and size != 1)
     try:
         best, name = _planned(cfg, devices, budget)
     except UserError as e:  # nothing fits: a user's problem, said before anything is compiled for good

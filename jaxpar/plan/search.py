@@ -1,9 +1,11 @@
 """`jaxpar plan --search`: every valid layout of a model on N devices, compiled abstractly,
 ranked by the roofline's predicted step time within a memory budget.
 
-The layouts are every combination of the mesh axes (data x tensor x expert x stage = N),
-parallel.zero, train.remat, and, with stages, the pipeline schedule (interleaved with two
-virtual stages per device) and 1, 2 or 4 microbatches per stage. Combinations that compute the
+The layouts are every combination of the mesh axes (data x tensor x expert x stage x context = N),
+parallel.zero, train.remat, with stages the pipeline schedule (interleaved with two virtual
+stages per device) and 1, 2 or 4 microbatches per stage, and with context the ring or all-gather
+attention. Context sizes are tried while each balanced chunk of the sequence holds at least one
+key block of the attention. Combinations that compute the
 same program another does are left out: ZeRO stages without a data axis to shard over, an
 expert axis in a dense model (it is a second data axis there), sqrt remat on fewer than four
 layers per stage. train.grad_accum only lowers memory (the same FLOPs and reductions per
@@ -37,6 +39,7 @@ from jaxpar.validation import validate
 # the keys the search enumerates (jaxpar.switches), and their valid values where the config declares them
 ZERO_STAGES = typing.get_args(typing.get_type_hints(ParallelConfig)["zero"])
 REMATS = typing.get_args(typing.get_type_hints(TrainConfig)["remat"])  # in order of their cost: none first
+CONTEXT_MODES = typing.get_args(typing.get_type_hints(ParallelConfig)["context_attention"])
 GRAD_ACCUMS = (1, 2, 4, 8)
 MICROBATCHES_PER_STAGE = (1, 2, 4)
 INTERLEAVED_VIRTUAL = 2
@@ -61,18 +64,31 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _contexts(cfg: Config, n: int) -> list[int]:
+    """The context sizes worth trying: those that leave each balanced chunk (L / 2C) at least one key
+    block of the attention (model.flash_block_kv); below that, a device attends in smaller blocks."""
+    m = cfg.model
+    return [c for c in _divisors(n) if c == 1 or m.seq_len // (2 * c) >= m.flash_blocks()[1]]
+
+
 def _meshes(cfg: Config, n: int, fixed: dict) -> list[dict]:
     moe = cfg.model.moe.experts > 0
-    context = fixed.get("mesh.context", 1)  # searched only as given (mesh.context=N on the command line)
     out = []
-    for tensor, expert, stage in itertools.product(_divisors(n), _divisors(n) if moe else [1], _divisors(n)):
+    for tensor, expert, stage, context in itertools.product(_divisors(n), _divisors(n) if moe else [1], _divisors(n),
+                                                            _contexts(cfg, n)):
         if n % (context * tensor * expert * stage):
             continue
         mesh = {"mesh.data": n // (context * tensor * expert * stage), "mesh.tensor": tensor, "mesh.expert": expert,
                 "mesh.stage": stage, **({"mesh.context": context} if context > 1 else {})}
-        if all(mesh[k] == v for k, v in fixed.items() if k in mesh):
+        if all(mesh.get(k, 1) == v for k, v in fixed.items() if k in MESH_KEYS):  # no key: size 1
             out.append(mesh)
     return out
+
+
+def _context_modes(mesh: dict) -> list[dict]:
+    if mesh.get("mesh.context", 1) == 1:
+        return [{}]
+    return [{"parallel.context_attention": mode} for mode in CONTEXT_MODES]
 
 
 def _pipelines(mesh: dict) -> list[dict]:
@@ -110,11 +126,11 @@ def enumerate_layouts(cfg: Config, n: int, fixed: dict, processes: int = 1) -> l
     does not fit: every later rung is predicted no faster."""
     ladders = []
     for mesh in _meshes(cfg, n, fixed):
-        shards_state = mesh["mesh.data"] * mesh["mesh.expert"] * mesh.get("mesh.context", 1) > 1
+        shards_state = mesh["mesh.data"] * mesh["mesh.expert"] * mesh.get("mesh.context", 1) > 1  # ZeRO's axes
         # without a data axis every ZeRO stage computes stage 0's program: one is enough (a held one, as held)
         zeros = ZERO_STAGES if shards_state else [fixed.get("parallel.zero", ZERO_STAGES[0])]
-        for pipeline, zero in itertools.product(_pipelines(mesh), zeros):
-            base = {**mesh, **pipeline, "parallel.zero": zero}
+        for pipeline, mode, zero in itertools.product(_pipelines(mesh), _context_modes(mesh), zeros):
+            base = {**mesh, **pipeline, **mode, "parallel.zero": zero}
             accums = [1] if mesh["mesh.stage"] > 1 else GRAD_ACCUMS
             rungs = [{**base, "train.remat": remat, "train.grad_accum": accum}
                      for remat, accum in itertools.product(REMATS, accums)]
