@@ -117,8 +117,13 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-@pytest.mark.parametrize("command", ["train", "verify", "plan"])
+# `jaxpar plan` works from shapes and reads no data: a cluster's corpus need not be on the laptop that plans
+DATA_CASES = {"missing data file", "empty corpus", "short corpus", "bad token file"}
+
+
+@pytest.mark.parametrize(("command", "case"), [(command, case) for case in BAD_INPUTS
+                                               for command in ("train", "verify", "plan")
+                                               if not (command == "plan" and case in DATA_CASES)])
 def test_bad_input_exits_2_with_one_sentence(case, command, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "short.txt").write_text("just a few words of text")

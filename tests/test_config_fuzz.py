@@ -283,7 +283,7 @@ def test_random_overrides_are_accepted_or_refused_in_one_sentence(cwd, command, 
 
 @pytest.mark.parametrize("args", FOUND, ids=lambda args: repr(args)[:40])
 def test_what_the_fuzzer_found_is_refused_in_one_sentence(cwd, args):
-    code, err, _ = run_cli("plan", args, cwd)
+    code, err, _ = run_cli("train", args, cwd)  # train reads the data before compiling (plan reads none)
     assert code == 2
     assert_one_sentence(err)
 
@@ -308,10 +308,10 @@ def test_random_presets_are_accepted_or_refused_in_one_sentence(cwd, data, args)
 def test_drawn_refusals_through_the_console_script(cwd, args):
     """A few drawn refusals, run by the real `jaxpar` executable: exit 2, one line, no traceback,
     and the same sentence as in-process."""
-    code, err, _ = run_cli("plan", args, cwd)
+    code, err, _ = run_cli("train", args, cwd)  # refused before training: train reads the data, plan none
     assume(code == 2)
     script = Path(sys.executable).with_name("jaxpar")
-    proc = subprocess.run([str(script), "plan", *args], capture_output=True, text=True, cwd=cwd, timeout=120,
+    proc = subprocess.run([str(script), "train", *args], capture_output=True, text=True, cwd=cwd, timeout=120,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -186,10 +186,11 @@ def test_tensor_across_processes_is_refused_in_one_sentence(tmp_path):
 
 
 def test_host_split_hands_processes_to_the_named_axes_in_order():
-    sizes = {"data": 4, "tensor": 2, "expert": 1, "stage": 2}
-    assert host_split(sizes, MeshConfig(), 4) == {"data": 4, "tensor": 1, "expert": 1, "stage": 1}
-    assert host_split(sizes, MeshConfig(hosts="stage,data"), 4) == {"data": 2, "tensor": 1, "expert": 1, "stage": 2}
-    assert host_split(sizes, MeshConfig(hosts="data,stage"), 8) == {"data": 4, "tensor": 1, "expert": 1, "stage": 2}
+    sizes = {"data": 4, "tensor": 2, "expert": 1, "stage": 2, "context": 1}
+    inside = {"tensor": 1, "expert": 1, "context": 1}
+    assert host_split(sizes, MeshConfig(), 4) == {"data": 4, "stage": 1, **inside}
+    assert host_split(sizes, MeshConfig(hosts="stage,data"), 4) == {"data": 2, "stage": 2, **inside}
+    assert host_split(sizes, MeshConfig(hosts="data,stage"), 8) == {"data": 4, "stage": 2, **inside}
     with pytest.raises(ConfigError, match="tensor must stay inside a process"):
         host_split(sizes, MeshConfig(), 16)
     assert host_split(sizes, MeshConfig(hosts="data,stage,tensor"), 16)["tensor"] == 2  # forced

@@ -2,7 +2,7 @@
 
 Tensor parallelism alone once aborted inside XLA's SPMD partitioner while data x tensor and
 tensor x stage worked: a bug of one factorisation that the typical layouts never hit. So this
-takes every split of the 8 devices over (data, tensor, expert, stage), a mixture-of-experts
+takes every split of the 8 devices over (data, tensor, expert, stage, context), a mixture-of-experts
 model whenever expert > 1, and checks that each either compiles its train step (the `plan`
 path, nothing is run) or is refused by validation before anything is compiled. Then one
 representative of each combination of axes > 1 is trained with `verify`; the rest compile only.
@@ -55,8 +55,8 @@ def _name(sizes: dict[str, int]) -> str:
 FACTORISATIONS = _factorisations()
 
 
-def test_there_are_twenty_factorisations():
-    assert len(FACTORISATIONS) == 20  # three factors of 2 over four axes: C(6, 3)
+def test_there_are_thirty_five_factorisations():
+    assert len(FACTORISATIONS) == 35  # three factors of 2 over five axes: C(7, 3)
 
 
 def _representatives() -> list[dict[str, int]]:
@@ -76,6 +76,7 @@ REPRESENTATIVES = _representatives()
 def _verified_elsewhere() -> set[str]:
     """Names of the factorisations that other modules verify (with other switches on top): each of
     their layouts' mesh, as the config resolves it on 8 devices."""
+    import test_context
     import test_long_context
     import test_moe
     import test_moe_pipeline
@@ -84,14 +85,16 @@ def _verified_elsewhere() -> set[str]:
 
     layouts = [*test_verify.LAYOUTS.values(), *test_pipeline.QUICK_LAYOUTS, *test_pipeline.SLOW_LAYOUTS,
                *(layout for _, layout in test_moe.LAYOUTS), *test_moe_pipeline.MESHES.values(),
-               *test_long_context.LAYOUTS.values()]
-    return {_name(resolve_mesh(load_config(None, list(overrides)).mesh, DEVICES)) for overrides in layouts}
+               *test_long_context.LAYOUTS.values(), *test_context.LAYOUTS.values()]
+    return {_name(resolve_mesh(load_config(None, list(overrides)).mesh, DEVICES)) for overrides in layouts
+            if "run.devices=" not in " ".join(overrides)}  # those on fewer devices are other factorisations
 
 
 # Compiled and verified by the modules _verified_elsewhere() reads; checked by the test below.
 ELSEWHERE = ("data=8", "data=4 x tensor=2", "data=2 x tensor=4", "data=2 x expert=4", "data=4 x stage=2",
              "data=2 x stage=4", "data=2 x tensor=2 x expert=2", "data=2 x tensor=2 x stage=2",
-             "data=2 x expert=2 x stage=2", "tensor=2 x expert=2 x stage=2", "expert=2 x stage=4")
+             "data=2 x expert=2 x stage=2", "tensor=2 x expert=2 x stage=2", "expert=2 x stage=4", "context=8",
+             "data=2 x tensor=2 x context=2")
 HERE = [sizes for sizes in FACTORISATIONS if _name(sizes) not in ELSEWHERE]
 
 
@@ -124,4 +127,4 @@ def test_layout_is_refused_in_one_sentence_or_compiles_and_representatives_verif
 
 def test_every_combination_of_axes_has_a_representative():
     combinations = {frozenset(a for a, size in s.items() if size > 1) for s in FACTORISATIONS}
-    assert len(REPRESENTATIVES) == len(combinations) == 14
+    assert len(REPRESENTATIVES) == len(combinations) == 25  # 5 axes alone, 10 pairs, 10 triples
