@@ -88,8 +88,9 @@ def test_balanced_chunks_give_every_rank_the_same_attention_work():
 # Each layout of the list that the kernels above do not already cover, through the whole step.
 LAYOUTS = {
     "context=4 ring": ["mesh.data=1", "mesh.context=4", "run.devices=4"],
-    "context=8 all-gather, unbalanced": ["mesh.data=1", "mesh.context=8", "parallel.context_attention=allgather",
-                                         "parallel.context_balance=false"],
+    "context=8 all-gather, unbalanced, remat full, grad_accum=2": [
+        "mesh.data=1", "mesh.context=8", "parallel.context_attention=allgather", "parallel.context_balance=false",
+        "train.remat=full", "train.grad_accum=2"],
     "data=2 x context=2 x tensor=2, sequence, ZeRO-3": ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
                                                         "parallel.sequence=true", "parallel.zero=3"],
     "GQA kv=2, flash, context=4": ["mesh.data=1", "mesh.context=4", "run.devices=4", "model.n_kv_heads=2",

@@ -366,6 +366,8 @@ def test_an_elastic_run_goes_on_with_the_process_left_and_grows_back(tmp_path, u
         _wait_for(lambda: "on data=4 (4 cpu devices)" in Path(f"{run_dir}.err").read_text()
                   and len(_logged(run_dir)) >= 6, launcher, "two steps on 4 devices", run_dir)
         (down / "1").unlink()  # repaired
+        # checked at once (else within --regrow-after): on a fast host the 12 steps could end before
+        os.kill(launcher.pid, signal.SIGUSR1)
         assert launcher.wait(timeout=TIMEOUT_S) == 0, Path(f"{run_dir}.err").read_text()[-3000:]
     finally:
         _end(launcher, run_dir)
