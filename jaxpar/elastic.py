@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 from jaxpar.config import Config, ConfigError
@@ -45,7 +46,7 @@ def record_rows(run_dir: str | Path, cfg: Config, sizes: dict[str, int]) -> None
     """Record this layout's rows per device, unless the run has a record already (the first start's stands)."""
     path = Path(run_dir) / RECORD
     if not path.exists():
-        devices = sizes["data"] * sizes["tensor"] * sizes["expert"] * sizes["stage"]
+        devices = math.prod(sizes.values())
         path.write_text(json.dumps({"rows_per_device": rows_per_device(cfg, sizes), "devices": devices}) + "\n")
 
 
