@@ -99,12 +99,12 @@ def make_mesh(sizes: dict[str, int], devices: list, process_split: dict[str, int
     from jax.experimental import mesh_utils
     from jax.sharding import AxisType, Mesh
 
-    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)  # an axis left out has size 1
+    shape = tuple(sizes[a] for a in MESH_AXES)
     processes = len({d.process_index for d in devices})
     if processes > 1:
         outer = process_split
-        inner = tuple(size // outer.get(a, 1) for a, size in zip(MESH_AXES, shape))
-        grid = mesh_utils.create_hybrid_device_mesh(inner, tuple(outer.get(a, 1) for a in MESH_AXES), devices,
+        inner = tuple(sizes[a] // outer[a] for a in MESH_AXES)
+        grid = mesh_utils.create_hybrid_device_mesh(inner, tuple(outer[a] for a in MESH_AXES), devices,
                                                     process_is_granule=True)
         return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
     if len(devices) == jax.device_count():

@@ -33,7 +33,7 @@ def test_every_parameter_has_logical_names_from_the_table():
 
 def test_megatron_layout_of_the_weights():
     model = nnx.eval_shape(lambda: Transformer(ModelConfig(), rngs=nnx.Rngs(0)))
-    mesh = make_mesh({"data": 4, "tensor": 2, "expert": 1, "stage": 1}, jax.devices())
+    mesh = make_mesh({"data": 4, "tensor": 2, "expert": 1, "stage": 1, "context": 1}, jax.devices())
     specs = Layout.build(mesh, nnx.state(model)).param_specs(nnx.state(model))
     blocks = specs["blocks"]
     # the stacked layers dimension goes to the pipeline axis `stage` (size 1 here)

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.config import Config
+from jaxpar.config import MESH_AXES, Config
 from jaxpar.data.token_folder import tokenizer_folder
 from jaxpar.errors import UserError
 from jaxpar.folders import is_free, new_folder
@@ -28,7 +28,7 @@ from jaxpar.validation import with_derived
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}
-ONE_DEVICE = {"data": 1, "tensor": 1, "expert": 1, "stage": 1}
+ONE_DEVICE = dict.fromkeys(MESH_AXES, 1)
 
 
 def _dtype_name(dtype: str) -> str:
@@ -58,7 +58,7 @@ def split_over_devices(cfg: Config):
     from jaxpar.runtime import make_mesh
 
     devices = jax.local_devices()
-    sizes = {"data": len(devices), "tensor": 1, "expert": 1, "stage": 1}
+    sizes = {**dict.fromkeys(MESH_AXES, 1), "data": len(devices)}
     mesh = make_mesh(sizes, devices, dict.fromkeys(sizes, 1))
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
     layout = Layout.build(mesh, abstract, Transformer.STACKED_AT, zero=3)
