@@ -170,9 +170,9 @@ def _validate_attention(cfg: Config, sizes: dict[str, int]) -> None:
 
 def _validate_context(cfg: Config, sizes: dict[str, int]) -> None:
     m, p, context = cfg.model, cfg.parallel, sizes["context"]
-    chunks = 2 * context if p.context_balance else context  # with stages, others hang or abort XLA (jax 0.12.0.1):
+    chunks = 2 * context if p.context_balance else context
     if context > 1 and sizes["stage"] > 1 and (p.context_attention == "ring" or not p.context_balance
-                                               or sizes["tensor"] > 1):
+                                               or sizes["tensor"] > 1):  # in a stage's branch: XLA hangs or aborts
         raise ConfigError("mesh.context with pipeline stages runs only with parallel.context_attention=allgather, "
                           "parallel.context_balance=true and mesh.tensor=1.")
     if context > 1 and m.moe.experts and p.context_balance:

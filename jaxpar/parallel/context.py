@@ -346,7 +346,7 @@ def attention(layout, q_BLHK, k_BLGK, v_BLGK, ids_BL, blocks: tuple[int, int]):
     inside = jax.sharding.get_abstract_mesh()  # in the experts' shard_map: its mesh, some axes manual
     mesh = layout.mesh if inside.empty else inside
     C = mesh.shape[CONTEXT]
-    B, L, H, K = q_BLHK.shape
+    _, L, H, K = q_BLHK.shape
     G, local = k_BLGK.shape[2], L // C
     schedule = _Schedule(C, layout.context_balance, local, blocks)
     ring = layout.context_attention == "ring"
@@ -360,12 +360,14 @@ def attention(layout, q_BLHK, k_BLGK, v_BLGK, ids_BL, blocks: tuple[int, int]):
             k, v = (lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v))
         return k, v, ids_all
 
+    def to_groups(x):  # (B, n, H, K) -> (B, n, G, R, K): the query heads that read each key/value head
+        return x.reshape(x.shape[0], local, G, H // G, K)
+
     def forward_body(q, k, v, ids):
-        out, lse = _forward(schedule, ring, q.reshape(q.shape[0], local, G, H // G, K), *gathered(k, v, ids))
+        out, lse = _forward(schedule, ring, to_groups(q), *gathered(k, v, ids))
         return out.reshape(out.shape[0], local, H, K), lse
 
     def backward_body(q, k, v, ids, out, lse, dout):
-        to_groups = lambda x: x.reshape(x.shape[0], local, G, H // G, K)  # noqa: E731
         k_all, v_all, ids_all = gathered(k, v, ids)
         dq, dk, dv = _backward(schedule, ring, to_groups(q), k_all, v_all, ids_all, to_groups(out), lse,
                                to_groups(dout))
