@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -272,8 +273,9 @@ MESH_AXES = ("data", "tensor", "expert", "stage", "context")  # context last: it
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
+@functools.cache  # resolving the annotations is slow, and the planner's search replaces thousands of configs
 def _fields(cls) -> dict[str, type]:
-    """Config key -> resolved type annotation, in declaration order."""
+    """Config key -> resolved type annotation, in declaration order (read only: the dict is shared)."""
     hints = typing.get_type_hints(cls)
     return {_key(f): hints[f.name] for f in dataclasses.fields(cls)}
 
@@ -283,8 +285,9 @@ def _field_name(cls, key: str) -> str:
     return next(f.name for f in dataclasses.fields(cls) if _key(f) == key)
 
 
+@functools.cache
 def _leaf_types(cls, prefix: str = "") -> dict[str, type]:
-    """Every dotted key under a config dataclass with its type, nested sections flattened."""
+    """Every dotted key under a config dataclass with its type, nested sections flattened (read only)."""
     out = {}
     for name, typ in _fields(cls).items():
         if dataclasses.is_dataclass(typ):
