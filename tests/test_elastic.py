@@ -306,8 +306,8 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
     return _losses(run_dir)
 
 
-# Both real-process runs compare with the module's `uninterrupted` run, computed once per worker that runs one
-# (xdist_group would keep them on one worker; under pytest 9 it does not: docs/testing.md).
+# Both real-process runs compare with the module's `uninterrupted` run; xdist_group keeps them on one worker,
+# which computes it once.
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.xdist_group("elastic_processes")
