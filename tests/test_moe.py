@@ -156,11 +156,10 @@ MODERN = ("model.moe.experts=8", "model.moe.every=1", "model.moe.noise=false", "
           "model.moe.d_ff=64", "model.moe.shared=1", "model.moe.score=sigmoid", "model.moe.routed_scale=2.5",
           "model.moe.balance=bias")
 MODERN_LAYOUTS = [("topk", ("mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=3")),
-                  ("dropless", ("mesh.data=2", "mesh.expert=4")),
+                  ("dropless", ("mesh.data=2", "mesh.expert=4", "train.grad_accum=2")),
                   ("dropless", ("mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=3")),
                   ("dropless", ("mesh.data=2", "mesh.expert=2", "mesh.stage=2", "parallel.pipeline.schedule=1f1b",
-                                "parallel.pipeline.microbatches=4")),
-                  ("dropless", ("mesh.data=4", "mesh.expert=2", "train.grad_accum=2"))]
+                                "parallel.pipeline.microbatches=4"))]
 
 
 @pytest.mark.slow

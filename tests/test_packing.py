@@ -3,6 +3,7 @@ is the mean over its documents' tokens, and every layout trains packed rows to t
 numbers."""
 
 import dataclasses
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -296,10 +297,14 @@ def test_mixture_draws_by_weight_reports_each_source_and_resumes_exactly(mixture
         return [{k: v for k, v in json.loads(line).items() if k not in ("step_time_s", "tokens_per_s")}
                 for line in lines]
 
+    # the whole run checkpoints at 100 and 200; a copy of it without the last checkpoint (and its
+    # metrics past step 100, which the resume cuts) trains steps 101 to 200 again
     whole, resumed = tmp_path / "whole", tmp_path / "cut"
-    assert train_here(capsys, whole, *settings, "train.steps=200")[0] == 0
-    assert train_here(capsys, resumed, *settings, "train.steps=100", "checkpoint.every=100")[0] == 0
-    assert train_here(capsys, resumed, *settings, "train.steps=200")[0] == 0
+    assert train_here(capsys, whole, *settings, "train.steps=200", "checkpoint.every=100")[0] == 0
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "200")
+    code, err = train_here(capsys, resumed, *settings, "train.steps=200", "checkpoint.every=100")
+    assert code == 0 and "resuming from the checkpoint at step 100" in err, err
     logged = rows(whole)
     assert rows(resumed) == logged and len(logged) == 200  # every metric of every step, the shares too
     web, code = (f"{root / name}" for name in ("web", "code"))

@@ -159,7 +159,7 @@ def test_1f1b_bounds_activation_memory_by_stages_not_microbatches():
 
 @pytest.mark.slow
 def test_1f1b_executes_the_matmuls_of_data_parallelism_and_recompute_adds_a_forward():
-    """S=4, M=8, remat none, 8 layers, batch 32: 1F1B keeps each forward's residuals, so the
+    """S=4, M=16, remat none, 8 layers, batch 64: 1F1B keeps each forward's residuals, so the
     matmul FLOPs its devices execute (each tick branch costed from its compiled computation and
     counted as often as the table takes it) are those of data=8 on the same model and batch.
     With recompute=true every backward redoes its forward: F + (F + 2F) = 4/3 of 3F."""
@@ -170,8 +170,9 @@ def test_1f1b_executes_the_matmuls_of_data_parallelism_and_recompute_adds_a_forw
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 
-    base = ["model.n_layers=8", "model.seq_len=256", "train.batch_size=32", "train.remat=none", f"run.dir={os.devnull}"]
-    pipeline = ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=8"]
+    # the 1F1B layout of the test above (compiled once per run)
+    base = ["model.n_layers=8", "model.seq_len=256", "train.batch_size=64", "train.remat=none", f"run.dir={os.devnull}"]
+    pipeline = ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=16"]
 
     def plan(*overrides):
         session = prepare(load_config(None, base + list(overrides)))
