@@ -290,10 +290,7 @@ def _leaf_types(cls, prefix: str = "") -> dict[str, type]:
     """Every dotted key under a config dataclass with its type, nested sections flattened (read only)."""
     out = {}
     for name, typ in _fields(cls).items():
-        if dataclasses.is_dataclass(typ):
-            out.update(_leaf_types(typ, f"{prefix}{name}."))
-        else:
-            out[f"{prefix}{name}"] = typ
+        out.update(_leaf_types(typ, f"{prefix}{name}.") if dataclasses.is_dataclass(typ) else {prefix + name: typ})
     return out
 
 
