@@ -10,10 +10,15 @@ table, JSON line and training summary carries this record.
 The rates are of one MATMUL_SIZE^3 matmul on one device, the median of a few after a compile: on a
 CPU the emulated devices share the cores, so that is the rate of the whole machine. A GPU's record
 names the device and whether it has bf16 tensor cores (compute capability 8.0 or more).
+
+Benchmarks measure the record afresh (`describe`); a training run's summary reads it from the cache
+(`cached_describe`: measured on the first run of this machine, device count and jax version, then kept
+in cache_dir()), so a run does not end with a second of matmuls, four on a CPU whose bf16 is slow.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -27,6 +32,12 @@ REPEATS = 3
 # dtype names as jax.numpy and jaxpar.precision spell them -> the short names of the tables
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names for bf16 dot products in hardware
+
+
+def cache_dir() -> Path:
+    """Where jaxpar keeps what it measured or compiled once (machine records, calibrations, plans)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jaxpar"
 
 
 def processor() -> str:
@@ -90,6 +101,31 @@ def describe(devices=None, dtypes: tuple[str, ...] = ("float32", "bfloat16")) ->
     return {"processor": first.device_kind if gpu else processor(), "cores": os.cpu_count(),
             "native_bf16": native_bf16(first), "platform": first.platform, "devices": len(devices),
             "matmul_size": MATMUL_SIZE, "matmul_flops": {d: matmul_rate(d, first) for d in dtypes}}
+
+
+def cached_describe(devices, dtypes: tuple[str, ...]) -> dict:
+    """`describe(devices, dtypes)`, measured once per processor, core count, device count and kind and jax
+    version, then read from cache_dir(). Without dtypes nothing is measured, and nothing is kept."""
+    import jax
+
+    if not dtypes:
+        return describe(devices, dtypes)
+    first = devices[0]
+    key = json.dumps([processor(), os.cpu_count(), len(devices), first.platform, first.device_kind, jax.__version__,
+                      MATMUL_SIZE, list(dtypes)])
+    path = cache_dir() / f"machine-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        pass
+    except ValueError as e:  # a damaged cache file: measure again
+        print(f"jaxpar: re-measuring the machine's matmul rate ({path} unreadable: {e})", file=sys.stderr)
+    record = describe(devices, dtypes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes of one run may measure at once
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)
+    return record
 
 
 def line(record: dict) -> str:

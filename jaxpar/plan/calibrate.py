@@ -24,6 +24,7 @@ from pathlib import Path
 
 from jaxpar import machine
 from jaxpar.hardware import GPU_PROFILES, Hardware
+from jaxpar.machine import cache_dir
 
 MATMUL_SHAPE = (1024, 512, 512)  # rows per device x contracted x output: a mid-sized layer's matmul
 ALL_REDUCE_FLOATS = (4, 2 ** 18)  # fp32 elements per device: a message of latency only, and a large one
@@ -32,12 +33,6 @@ WRITE_FLOATS = 2 ** 21  # fp32 elements per device written by the elementwise pr
 REPEATS = 7
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes of jaxpar.precision's policies
 PROFILE_FORMAT = 2  # 2: rates by compute dtype, and the machine record (jaxpar.machine)
-
-
-def cache_dir() -> Path:
-    """Where jaxpar keeps what it measured or compiled once (calibrations, plans)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jaxpar"
 
 
 def _median_seconds(fn, *args) -> float:

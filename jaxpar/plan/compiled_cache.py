@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from jaxpar.config import Config
-from jaxpar.plan.calibrate import cache_dir
+from jaxpar.machine import cache_dir
 
 PACKAGE = Path(__file__).resolve().parent.parent
 CONSUMERS = {"cli.py", "hardware.py", "launch.py", "plan/search.py", "plan/search_report.py", "plan/roofline.py",

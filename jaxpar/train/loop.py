@@ -312,12 +312,13 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
 
 def _utilization(session: Session, trainer: Trainer, tokens_per_s: float | None) -> dict:
     """The machine (jaxpar.machine) and the MFU of the median tokens/s (jaxpar.plan.model_flops.utilization).
-    On a CPU, one 2048^3 matmul in the compute dtype is timed now, once per run (about a second)."""
+    On a CPU, one 2048^3 matmul in the compute dtype is timed on the machine's first run, then read from
+    the cache."""
     from jaxpar import machine
     from jaxpar.plan.model_flops import utilization
 
     compute = session.precision.compute
-    record = machine.describe(session.devices, (compute,) if session.devices[0].platform == "cpu" else ())
+    record = machine.cached_describe(session.devices, (compute,) if session.devices[0].platform == "cpu" else ())
     if tokens_per_s is None or trainer.model is not None:  # no step timed, or a model of its own (FLOPs unknown)
         return {"machine": record, "mfu": None}
     return {"machine": record, **utilization(session.cfg, tokens_per_s, session.devices, compute, record)}
