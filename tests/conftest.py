@@ -16,10 +16,11 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # XLA's persistent compilation cache, fresh for each run of the suite (and its subprocesses): many tests
 # compile the same program (every verify's single-device reference of the same model, say), and
 # compiling is most of their time. Results are the same; only the second compile is skipped.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # made once, by the first process (workers inherit it)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
 # jaxpar's own cache (the machine's matmul rate, cpu profiles, compiled plans) fresh for the run too, beside
 # XLA's: nothing read from an earlier run, nothing left in the user's ~/.cache.
-os.environ.setdefault("XDG_CACHE_HOME", os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], "jaxpar-cache"))
+os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], "jaxpar-cache")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
