@@ -6,6 +6,8 @@ process holding all 8 devices (metrics.jsonl losses within 1e-6 relative, fp32).
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -52,12 +54,29 @@ def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
         assert abs(got[step] - loss) <= 1e-6 * abs(loss), (step, got[step], loss)
 
 
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "multi-process.md"
+MARKER = "<!-- tests/test_distributed.py runs the next code block -->"
+
+
+def documented_launch() -> list[str]:
+    """The guide's `jaxpar launch ...` command (the block after MARKER), without `jaxpar`."""
+    found = re.search(re.escape(MARKER) + r"\s*```bash\n(.*?)```", GUIDE.read_text(), re.S)
+    assert found, "the multi-process guide's launch command is not where its marker says"
+    words = shlex.split(found.group(1), comments=True)
+    assert words[:2] == ["jaxpar", "launch"] and words[words.index("--") + 1] == "train", words
+    return words[1:]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_processes_match_one_process_data_x_tensor(tmp_path):
-    settings = ["mesh.data=2", "mesh.tensor=4", "train.steps=4", "train.sample_tokens=8"]
-    single = _train(tmp_path / "one", *settings)
-    double = _train(tmp_path / "two", *settings, processes=2)
+    """The guide's command (2 processes x 4 devices: data=2 across them, tensor=4 inside each), with the
+    small model for 4 steps, against one process holding the 8 devices."""
+    launch = documented_launch()
+    settings = ["train.steps=4", "train.sample_tokens=8"]
+    single = _train(tmp_path / "one", *launch[launch.index("--") + 2:], *settings)
+    double = _jaxpar(*launch, *TINY, *settings, f"run.dir={tmp_path / 'two'}", "--no-progress")
+    assert double.returncode == 0, double.stderr[-3000:]
     # tensor stays inside each process; the two processes split the data axis
     assert "2 processes over data=2" in double.stderr
     assert "[1] jaxpar: training" not in double.stderr  # only process 0 reports

@@ -36,7 +36,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 README_MAX_LINES = 300
 NOT_RUN = ("needs a GPU", "needs a cluster", "downloads", "output", "long")
 MARKERS = {f"<!-- not run: {why} -->" for why in NOT_RUN} | {
-    "<!-- tests/test_python_api.py runs the next code block -->"}
+    f"<!-- tests/{module}.py runs the next code block -->" for module in ("test_python_api", "test_distributed")}
 SHELL = {"bash", "sh", "shell", "console"}
 RUN_LANGUAGES = SHELL | {"python", "yaml", "yml"}
 CONFIG_SECTIONS = {"extends", "model", "mesh", "train", "parallel", "checkpoint", "data", "run"}
