@@ -21,9 +21,10 @@ ROUND = Hardware("round", {"float32": 1e9, "bfloat16": 2e9, "float16": 2e9}, 1e1
 TINY = ["configs/tiny_test.yaml"]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def own_cache(tmp_path, monkeypatch):
-    """Each test starts with an empty cache of calibrations and compiled plans."""
+    """An empty cache of calibrations and compiled plans, for a test that counts what it measures or compiles
+    (the others share the run's: tests/conftest.py)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
@@ -82,7 +83,7 @@ def tiny_search(budget=1e12, top=None, **fixed):
 
 
 @pytest.mark.slow
-def test_search_ranks_prunes_and_caches():
+def test_search_ranks_prunes_and_caches(own_cache):
     full = tiny_search()
     ranked = full.ranked
     assert len(ranked) == len(full.candidates) == 5  # data 2 (zero 0-3), tensor 2
@@ -127,7 +128,7 @@ def test_no_layout_fits_is_one_sentence(capsys):
                  "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert all(line.startswith("jaxpar: measuring the cpu profile") for line in err[:-1])  # the first use
+    assert all(line.startswith("jaxpar: measuring the cpu profile") for line in err[:-1])  # on its first use
     assert err[-1].startswith("jaxpar: error: none of the 96 layouts fits in 1e-06 GB per device; "
                                                "the smallest, data=4 zero=3 fp32, needs ")
     assert err[-1].endswith(" GB for its state alone.")
@@ -149,7 +150,7 @@ def test_plan_search_best_trains(capsys, tmp_path):
                  "--no-progress"]) == 0
 
 
-def test_cpu_profile_is_measured_once(tmp_path):
+def test_cpu_profile_is_measured_once(own_cache, tmp_path):
     from jaxpar.plan import calibrate
 
     first = calibrate.cpu_profile(jax.devices())

@@ -155,7 +155,7 @@ def cpu_profile(devices: list) -> Hardware:
     print(f"jaxpar: measuring the cpu profile on {len(devices)} devices (once; cached in {path})", file=sys.stderr)
     hardware = measure(devices)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes (or test workers) may measure at once
     tmp.write_text(json.dumps(hardware.to_dict(), indent=1))
     tmp.replace(path)
     return hardware
