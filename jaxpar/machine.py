@@ -40,6 +40,15 @@ def cache_dir() -> Path:
     return Path(base) / "jaxpar"
 
 
+def store_json(path: Path, data, indent: int | None = None) -> None:
+    """Write `data` as JSON at `path` atomically (a temporary file of this process, then a rename), so that
+    processes reading or writing the same cache entry at once never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.{id(data)}.tmp")
+    tmp.write_text(json.dumps(data, indent=indent))
+    tmp.replace(path)
+
+
 def processor() -> str:
     """The CPU's model name (/proc/cpuinfo), else what the platform module knows."""
     try:
@@ -121,10 +130,7 @@ def cached_describe(devices, dtypes: tuple[str, ...]) -> dict:
     except ValueError as e:  # a damaged cache file: measure again
         print(f"jaxpar: re-measuring the machine's matmul rate ({path} unreadable: {e})", file=sys.stderr)
     record = describe(devices, dtypes)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes of one run may measure at once
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)
+    store_json(path, record)
     return record
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from jaxpar import machine
 from jaxpar.hardware import GPU_PROFILES, Hardware
-from jaxpar.machine import cache_dir
+from jaxpar.machine import cache_dir, store_json
 
 MATMUL_SHAPE = (1024, 512, 512)  # rows per device x contracted x output: a mid-sized layer's matmul
 ALL_REDUCE_FLOATS = (4, 2 ** 18)  # fp32 elements per device: a message of latency only, and a large one
@@ -154,10 +154,7 @@ def cpu_profile(devices: list) -> Hardware:
         print(f"jaxpar: re-measuring the cpu profile ({path} unreadable: {e})", file=sys.stderr)
     print(f"jaxpar: measuring the cpu profile on {len(devices)} devices (once; cached in {path})", file=sys.stderr)
     hardware = measure(devices)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes (or test workers) may measure at once
-    tmp.write_text(json.dumps(hardware.to_dict(), indent=1))
-    tmp.replace(path)
+    store_json(path, hardware.to_dict(), indent=1)
     return hardware
 
 

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from jaxpar.config import Config
-from jaxpar.machine import cache_dir
+from jaxpar.machine import cache_dir, store_json
 
 PACKAGE = Path(__file__).resolve().parent.parent
 CONSUMERS = {"cli.py", "hardware.py", "launch.py", "plan/search.py", "plan/search_report.py", "plan/roofline.py",
@@ -51,14 +51,6 @@ def load(path: Path) -> dict | None:
         return None
 
 
-def store(path: Path, entry: dict) -> None:
-    """Write an entry atomically (a temporary file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{id(entry)}.tmp")
-    tmp.write_text(json.dumps(entry))
-    tmp.replace(path)
-
-
 def measure(layout: Config, devices: list, budget: float) -> tuple[dict, bool]:
     """(the cache entry of `layout`, whether it came from the cache); compiles unless cached. An
     entry whose state alone exceeds `budget` holds only the state's bytes."""
@@ -85,5 +77,5 @@ def measure(layout: Config, devices: list, budget: float) -> tuple[dict, bool]:
                  # what the roofline reads
                  "plan": {k: plan[k] for k in ("executed_flops_per_stage", "written_bytes_per_stage",
                                                "collective_ops")}}
-    store(path, entry)
+    store_json(path, entry)
     return entry, False

@@ -209,13 +209,13 @@ def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     write over its replicas gains nothing and compiles a slice per array and device (56 for the tiny
     model: 1.5 s of a 10-step run's first save). Elsewhere Orbax's default stands. Restoring is the same
     either way (StandardRestore reads what PyTreeSave wrote: StandardSave is PyTreeSave checked)."""
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    types = None
     if jax.devices()[0].platform == "cpu":
-        types = ocp.type_handlers.create_type_handler_registry(
-            (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
-    registry.add("state", ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(
-        **({"type_handler_registry": types} if types else {})))
+        saver = ocp.PyTreeCheckpointHandler(type_handler_registry=ocp.type_handlers.create_type_handler_registry(
+            (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False))))
+    else:
+        saver = ocp.PyTreeCheckpointHandler()
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add("state", ocp.args.PyTreeSave, saver)
     registry.add("state", ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
     json_handler = ocp.JsonCheckpointHandler()
     registry.add("meta", ocp.args.JsonSave, json_handler)
