@@ -6,8 +6,6 @@ process holding all 8 devices (metrics.jsonl losses within 1e-6 relative, fp32).
 
 import json
 import os
-import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -16,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_docs import fenced_blocks, shell_commands
 
 from jaxpar import distributed
 from jaxpar.config import ConfigError, MeshConfig
@@ -60,9 +59,10 @@ MARKER = "<!-- tests/test_distributed.py runs the next code block -->"
 
 def documented_launch() -> list[str]:
     """The guide's `jaxpar launch ...` command (the block after MARKER), without `jaxpar`."""
-    found = re.search(re.escape(MARKER) + r"\s*```bash\n(.*?)```", GUIDE.read_text(), re.S)
-    assert found, "the multi-process guide's launch command is not where its marker says"
-    words = shlex.split(found.group(1), comments=True)
+    blocks = [block for block in fenced_blocks(GUIDE) if block.marker == MARKER]
+    assert len(blocks) == 1, "the multi-process guide's launch command is not where its marker says"
+    (command,) = shell_commands(blocks[0])
+    words = command.words
     assert words[:2] == ["jaxpar", "launch"] and words[words.index("--") + 1] == "train", words
     return words[1:]
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from test_docs import fenced_blocks
 
 from jaxpar.config import ConfigError
 from jaxpar.model import constrain
@@ -20,10 +21,9 @@ MARKER = "<!-- tests/test_python_api.py runs the next code block -->"
 
 
 def guide_example() -> str:
-    text = GUIDE.read_text()
-    found = re.search(re.escape(MARKER) + r"\s*```python\n(.*?)```", text, re.S)
-    assert found, "the Python API guide's example is not where its marker says"
-    return found.group(1)
+    blocks = [block for block in fenced_blocks(GUIDE) if block.marker == MARKER and block.language == "python"]
+    assert len(blocks) == 1, "the Python API guide's example is not where its marker says"
+    return blocks[0].text
 
 
 @pytest.mark.slow
