@@ -74,3 +74,10 @@ def run_jaxpar_at_level_1(*args: str) -> subprocess.CompletedProcess:
     flags = os.environ["XLA_FLAGS"].replace(compile_level_flag(TESTS_COMPILE_LEVEL), compile_level_flag(1))
     return subprocess.run([sys.executable, "-m", "jaxpar", *args], capture_output=True, text=True,
                           env={**os.environ, "XLA_FLAGS": flags}, timeout=600)
+
+
+def train_at_level_1(run_dir: Path, *overrides: str) -> tuple[int, str]:
+    """`jaxpar train` with BASE, like `train_here`, in a process at XLA's level 1 (for runs of hundreds of
+    steps); returns the exit code and stderr."""
+    done = run_jaxpar_at_level_1("train", "--no-progress", *BASE, f"run.dir={run_dir}", *overrides)
+    return done.returncode, done.stderr

@@ -213,13 +213,13 @@ def test_fine_tuning_set_without_packing_is_refused(sft_folder, capsys, tmp_path
 
 
 @pytest.mark.slow
-def test_fine_tuning_learns_the_responses(sft_folder, capsys, tmp_path):
-    from helpers import train_here
+def test_fine_tuning_learns_the_responses(sft_folder, tmp_path):
+    from helpers import train_at_level_1
 
-    code, _ = train_here(capsys, tmp_path / "run", f"data.source={sft_folder}", "model.vocab_size=300",
-                         "data.packing=pack", "train.steps=200", "train.log_every=10", "train.sample_tokens=0",
-                         "data.val_fraction=0.2")
-    assert code == 0
+    code, err = train_at_level_1(tmp_path / "run", f"data.source={sft_folder}", "model.vocab_size=300",
+                                 "data.packing=pack", "train.steps=200", "train.log_every=10", "train.sample_tokens=0",
+                                 "data.val_fraction=0.2")
+    assert code == 0, err[-3000:]
     import json
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -283,10 +283,10 @@ def mixture_folders(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_mixture_draws_by_weight_reports_each_source_and_resumes_exactly(mixture_folders, capsys, tmp_path):
+def test_mixture_draws_by_weight_reports_each_source_and_resumes_exactly(mixture_folders, tmp_path):
     import json
 
-    from helpers import train_here
+    from helpers import train_at_level_1
 
     root = mixture_folders
     settings = [f"data.mixture={root / 'web'}:0.7,{root / 'code'}:0.3", "data.packing=pack", "model.vocab_size=300",
@@ -300,10 +300,11 @@ def test_mixture_draws_by_weight_reports_each_source_and_resumes_exactly(mixture
     # the whole run checkpoints at 100 and 200; a copy of it without the last checkpoint (and its
     # metrics past step 100, which the resume cuts) trains steps 101 to 200 again
     whole, resumed = tmp_path / "whole", tmp_path / "cut"
-    assert train_here(capsys, whole, *settings, "train.steps=200", "checkpoint.every=100")[0] == 0
+    code, err = train_at_level_1(whole, *settings, "train.steps=200", "checkpoint.every=100")
+    assert code == 0, err[-3000:]
     shutil.copytree(whole, resumed)
     shutil.rmtree(resumed / "checkpoints" / "200")
-    code, err = train_here(capsys, resumed, *settings, "train.steps=200", "checkpoint.every=100")
+    code, err = train_at_level_1(resumed, *settings, "train.steps=200", "checkpoint.every=100")
     assert code == 0 and "resuming from the checkpoint at step 100" in err, err
     logged = rows(whole)
     assert rows(resumed) == logged and len(logged) == 200  # every metric of every step, the shares too

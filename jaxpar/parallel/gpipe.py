@@ -12,6 +12,7 @@ from jaxpar.parallel.pipeline import (
     StageFns,
     action_arrays,
     microbatch,
+    stash_write,
     switch_ticks,
     zeros_like_shapes,
 )
@@ -62,7 +63,7 @@ def gpipe_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer_ids, 
             with jax.named_scope(TICK_SCOPE):
                 y, aux, stats = jax.lax.switch(branch[t, s], branches)
             # the last chunk's outputs are kept; every other tick writes the spare slot M
-            outputs = outputs.at[jnp.where(branch[t, s] == F_LAST, m, M)].set(y)
+            outputs = stash_write(outputs, (jnp.where(branch[t, s] == F_LAST, m, M),), y)
             x_next = jax.lax.ppermute(y, axis, [(i, i + 1) for i in range(S - 1)])
             return (x_next, outputs, aux_sum + aux, jax.tree.map(jnp.add, stats_sum, stats)), None
 

@@ -25,6 +25,8 @@ from jaxpar.parallel.pipeline import (
     chunk_params,
     local_layers,
     microbatch,
+    stash_read,
+    stash_write,
     zeros_like_shapes,
 )
 from jaxpar.parallel.schedules import Table, stash_size
@@ -63,17 +65,17 @@ class _TickInputs:
     @property
     def x_in(self) -> jax.Array:
         """The chunk's stashed input."""
-        return self.stash.x[self.slot]
+        return stash_read(self.stash.x, self.slot)
 
     @property
     def g_in(self) -> jax.Array:
         """The stashed cotangent of the chunk's output."""
-        return self.stash.g[self.slot]
+        return stash_read(self.stash.g, self.slot)
 
     @property
     def stored(self) -> dict:
         """The residuals the chunk's forward kept."""
-        return {name: [buf[self.slot] for buf in bufs] for name, bufs in self.stash.residuals.items()}
+        return {name: [stash_read(buf, self.slot) for buf in bufs] for name, bufs in self.stash.residuals.items()}
 
 
 class _OneFOneB:
@@ -142,7 +144,7 @@ class _OneFOneB:
             grads, loss_sum, stats_sum, out_f, out_b, res = jax.lax.switch(b, branches)
         # A forward's residuals go to its slot; every other tick writes the spare slot K.
         keep_slot = (jnp.where((b >= F_FIRST) & (b <= F_LAST), m % K, K), local_chunk)
-        residuals = {name: [buf.at[keep_slot].set(r) for buf, r in zip(bufs, res[name])]
+        residuals = {name: [stash_write(buf, keep_slot, r) for buf, r in zip(bufs, res[name])]
                      for name, bufs in stash.residuals.items()}
         stash = self.receive(dataclasses.replace(stash, residuals=residuals), t, out_f, out_b)
         return (stash, grads, loss_sum, stats_sum), None
@@ -156,10 +158,10 @@ class _OneFOneB:
         prev, nxt = (s - 1) % S, (s + 1) % S
         got_f = ((branch[t, prev] == F_FIRST) | (branch[t, prev] == F_MID)) & ((s > 0) | self.ring)
         f_slot = (micro[t, prev] % K, (chunk[t, prev] + 1) // S)
-        x = stash.x.at[f_slot].set(jnp.where(got_f, recv_f, stash.x[f_slot]))
+        x = stash_write(stash.x, f_slot, jnp.where(got_f, recv_f, stash_read(stash.x, f_slot)))
         got_b = ((branch[t, nxt] == B_MID) | (branch[t, nxt] == B_LAST)) & ((s < S - 1) | self.ring)
         b_slot = (micro[t, nxt] % K, (chunk[t, nxt] - 1) // S)
-        g = stash.g.at[b_slot].set(jnp.where(got_b, recv_b, stash.g[b_slot]))
+        g = stash_write(stash.g, b_slot, jnp.where(got_b, recv_b, stash_read(stash.g, b_slot)))
         return dataclasses.replace(stash, x=x, g=g)
 
     def idle(self, i: _TickInputs):

@@ -123,6 +123,22 @@ def microbatch(batch_M, m):
     return jax.tree.map(lambda a: a[m], batch_M)
 
 
+def stash_read(buf, slot):
+    """buf[slot] for a slot of non-negative traced indices into buf's leading axes: one dynamic slice,
+    without the sign checks and clamps that jnp indexing adds per index (and a stash of many
+    residual buffers multiplies)."""
+    starts = (*slot, *(0,) * (buf.ndim - len(slot)))
+    return jax.lax.dynamic_slice(buf, starts, (1,) * len(slot) + buf.shape[len(slot):],
+                                 allow_negative_indices=False).reshape(buf.shape[len(slot):])
+
+
+def stash_write(buf, slot, value):
+    """buf.at[slot].set(value) as one dynamic update slice (not a scatter)."""
+    starts = (*slot, *(0,) * (buf.ndim - len(slot)))
+    return jax.lax.dynamic_update_slice(buf, value.astype(buf.dtype).reshape((1,) * len(slot) + value.shape), starts,
+                                        allow_negative_indices=False)
+
+
 def zeros_like_shapes(shapes):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 

@@ -24,6 +24,8 @@ from jaxpar.parallel.pipeline import (
     chunk_params,
     local_layers,
     microbatch,
+    stash_read,
+    stash_write,
     zeros_like_shapes,
 )
 from jaxpar.parallel.schedules import Table
@@ -55,7 +57,7 @@ class _Tick:
 
     def kept(self, pool: str) -> list:
         """The values of `pool` at this action's slot (none when the layout keeps nothing there)."""
-        return [buf[self.slot[pool]] for buf in self.stash.get(pool, [])]
+        return [stash_read(buf, (self.slot[pool],)) for buf in self.stash.get(pool, [])]
 
 
 class _ZeroBubble:
@@ -180,7 +182,7 @@ class _ZeroBubble:
         stash = dict(stash)
         for name, values in writes.items():
             slot = self.write_slot[name][t, self.s]
-            stash[name] = [buf.at[slot].set(v.astype(buf.dtype)) for buf, v in zip(stash[name], values)]
+            stash[name] = [stash_write(buf, (slot,), v) for buf, v in zip(stash[name], values)]
         return stash
 
     def _receive(self, stash, t, sent) -> dict:
@@ -197,7 +199,8 @@ class _ZeroBubble:
             for what, pool in ((_INPUT, "x"), (_COTANGENT, "g")):
                 if what in present:
                     (buf,) = stash[pool]
-                    stash[pool] = [buf.at[slot].set(jnp.where(kind == what, value.astype(buf.dtype), buf[slot]))]
+                    stash[pool] = [stash_write(buf, (slot,), jnp.where(kind == what, value.astype(buf.dtype),
+                                                                      stash_read(buf, (slot,))))]
         return stash
 
     def _stored(self, i: _Tick, part: str, halves: tuple[str, ...] = ("B", "W")) -> list:
