@@ -133,7 +133,10 @@ def stash_read(buf, slot):
 
 
 def stash_write(buf, slot, value):
-    """buf.at[slot].set(value) as one dynamic update slice (not a scatter)."""
+    """buf.at[slot].set(value) as one dynamic update slice (not a scatter). An index out of range is
+    clamped (`.at[]` dropped such a write, or wrapped a negative one): the executors compute such
+    slots only for what a neighbour did not send (its chunk before the first or past the last), and
+    write there the value `stash_read` gives at the same slot, which changes nothing."""
     starts = (*slot, *(0,) * (buf.ndim - len(slot)))
     return jax.lax.dynamic_update_slice(buf, value.astype(buf.dtype).reshape((1,) * len(slot) + value.shape), starts,
                                         allow_negative_indices=False)
