@@ -91,9 +91,9 @@ class Layout:
         # (a failed check in ExpandDeviceGroups, jax 0.12.0.1), so the batch axes stay manual.
         # Only axes of size > 1 are made manual: XLA's SPMD partitioner rejects the tensor
         # all-reduces of a shard_map that is manual over size-1 axes only (where no axis of size
-        # > 1 is left automatic, the size-1 ones are made manual too: _with_idle_axes). Gradients reduced in
-        # another dtype than fp32 are reduced by hand too: the partitioner reduces each weight
-        # gradient in the dtype its matmul produced it in.
+        # > 1 is left automatic, the size-1 ones are made manual too: _with_idle_axes).
+        # Gradients reduced in another dtype than fp32 are reduced by hand too: the partitioner
+        # reduces each weight gradient in the dtype its matmul produced it in.
         manual_batch = (sizes.get("expert", 1) > 1 or (pipelined and sizes.get("tensor", 1) > 1)
                         or jnp.dtype(reduce_dtype) != jnp.float32)
         manual_data = data_axes if manual_batch else ()
@@ -192,7 +192,6 @@ class Layout:
     def stacked_mask(self, params):
         """A tree of bools: True for stacked (per-layer) weights, which pipeline stages split."""
         return jax.tree.map(lambda v: v.replace(is_stacked(v)), params, is_leaf=_is_var)
-
 
 
 def _with_idle_axes(manual: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:
