@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_docs import fenced_blocks, shell_commands
+from test_docs import marked_block, shell_commands
 
 from jaxpar import distributed
 from jaxpar.config import ConfigError, MeshConfig
@@ -54,14 +54,11 @@ def _assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
 
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "multi-process.md"
-MARKER = "<!-- tests/test_distributed.py runs the next code block -->"
 
 
 def documented_launch() -> list[str]:
-    """The guide's `jaxpar launch ...` command (the block after MARKER), without `jaxpar`."""
-    blocks = [block for block in fenced_blocks(GUIDE) if block.marker == MARKER]
-    assert len(blocks) == 1, "the multi-process guide's launch command is not where its marker says"
-    (command,) = shell_commands(blocks[0])
+    """The guide's `jaxpar launch ...` command (its block marked for this module), without `jaxpar`."""
+    (command,) = shell_commands(marked_block(GUIDE, "test_distributed"))
     words = command.words
     assert words[:2] == ["jaxpar", "launch"] and words[words.index("--") + 1] == "train", words
     return words[1:]

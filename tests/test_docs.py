@@ -35,8 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 README_MAX_LINES = 300
 NOT_RUN = ("needs a GPU", "needs a cluster", "downloads", "output", "long")
+RUN_BY = ("test_python_api", "test_distributed")  # modules that run a marked block themselves (marked_block)
 MARKERS = {f"<!-- not run: {why} -->" for why in NOT_RUN} | {
-    f"<!-- tests/{module}.py runs the next code block -->" for module in ("test_python_api", "test_distributed")}
+    f"<!-- tests/{module}.py runs the next code block -->" for module in RUN_BY}
 SHELL = {"bash", "sh", "shell", "console"}
 RUN_LANGUAGES = SHELL | {"python", "yaml", "yml"}
 CONFIG_SECTIONS = {"extends", "model", "mesh", "train", "parallel", "checkpoint", "data", "run"}
@@ -75,6 +76,14 @@ def fenced_blocks(page: Path) -> list[Block]:
         found.append(Block(page, i + 1, opening.group(1).lower(), "\n".join(lines[i + 1:end]) + "\n", marker))
         i = end + 1
     return found
+
+
+def marked_block(page: Path, module: str) -> Block:
+    """The one block of `page` whose marker says that tests/<module>.py runs it."""
+    marker = f"<!-- tests/{module}.py runs the next code block -->"
+    blocks = [block for block in fenced_blocks(page) if block.marker == marker]
+    assert len(blocks) == 1, f"{page.relative_to(REPO)} has {len(blocks)} blocks marked `{marker}`, not one"
+    return blocks[0]
 
 
 ALL_BLOCKS = [block for page in PAGES for block in fenced_blocks(page)]

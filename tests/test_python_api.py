@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from test_docs import fenced_blocks
+from test_docs import marked_block
 
 from jaxpar.config import ConfigError
 from jaxpar.model import constrain
@@ -17,13 +17,12 @@ from jaxpar.session import prepare
 from jaxpar.train.verify import verify
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "python-api.md"
-MARKER = "<!-- tests/test_python_api.py runs the next code block -->"
 
 
 def guide_example() -> str:
-    blocks = [block for block in fenced_blocks(GUIDE) if block.marker == MARKER and block.language == "python"]
-    assert len(blocks) == 1, "the Python API guide's example is not where its marker says"
-    return blocks[0].text
+    block = marked_block(GUIDE, "test_python_api")
+    assert block.language == "python", f"the Python API guide's marked example is {block.language}, not python"
+    return block.text
 
 
 @pytest.mark.slow
