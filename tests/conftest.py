@@ -8,8 +8,8 @@ from helpers import BASE, TESTS_COMPILE_LEVEL, compile_level_flag, metrics  # im
 
 # XLA's backend optimisation level 0 (its default is 3): compiling is most of a test's time. Measured on
 # 2 cores: a verify's compiles take 11.7 s at level 3, 5.8 s at level 1 and 4.4 s at level 0, and the
-# default model's step 0.63, 0.65 and 1.12 s. The few tests that train a model for tens of
-# steps (the default model) or hundreds (a tiny one) run it in a subprocess at level 1 (helpers.run_jaxpar_at_level_1).
+# default model's step 0.63, 0.65 and 1.12 s. The few tests that train for tens of steps (the default
+# model) or hundreds (a tiny one) run `jaxpar train` in a subprocess at level 1 (helpers.run_jaxpar_at_level_1).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 "
                            + compile_level_flag(TESTS_COMPILE_LEVEL)).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
