@@ -50,7 +50,7 @@ BASE = [f"run.dir={os.devnull}", *MODEL, *ARGS.overrides]
 DEVICES = setup_devices(load_config(None, BASE))
 
 from jaxpar import precision  # noqa: E402
-from jaxpar.parallel.pipeline import BRANCHES, TICK_SCOPE, branch_of  # noqa: E402
+from jaxpar.parallel.pipeline import BRANCHES, TICK_SCOPE, branch_of, compiled_branches  # noqa: E402
 from jaxpar.parallel.schedule_timing import idle_fraction, timeline  # noqa: E402
 from jaxpar.plan.calibrate import profile  # noqa: E402
 from jaxpar.plan.hlo import branch_costs, matmul_flops, parse, written_bytes  # noqa: E402
@@ -60,8 +60,9 @@ from jaxpar.plan.memory import PLAN_COMPILER_OPTIONS  # noqa: E402
 def compiled_costs(trainer) -> dict:
     """Per-branch and rest-of-step matmul FLOPs and written bytes of the trainer's compiled step."""
     module = parse(trainer.compile_step(PLAN_COMPILER_OPTIONS.get("cpu")).as_text())
-    flops, rest_flops = branch_costs(module, TICK_SCOPE, matmul_flops)
-    written, rest_written = branch_costs(module, TICK_SCOPE, written_bytes)
+    kinds = compiled_branches(trainer.pipeline.table)
+    flops, rest_flops = branch_costs(module, TICK_SCOPE, kinds, matmul_flops)
+    written, rest_written = branch_costs(module, TICK_SCOPE, kinds, written_bytes)
     return {"branch_flops": flops, "branch_written_bytes": written, "rest_flops": rest_flops,
             "rest_written_bytes": rest_written}
 

@@ -7,12 +7,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.parallel.pipeline import (
+    F_FIRST,
     F_LAST,
+    FIRST_CHUNK_SCOPE,
     TICK_SCOPE,
     StageFns,
     action_arrays,
+    first_or_last_chunk,
     microbatch,
     stash_write,
+    switch_index,
     switch_ticks,
     zeros_like_shapes,
 )
@@ -47,23 +51,20 @@ def gpipe_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer_ids, 
 
         def tick(carry, t):
             x_recv, outputs, aux_sum, stats_sum = carry
-            m = micro[t, s]
+            m, b = micro[t, s], branch[t, s]
             tokens, rows = microbatch(batch_M, m)
 
-            def run(x):
+            def forward():  # the embedding gives the first chunk's input; the others receive theirs
+                x = first_or_last_chunk(FIRST_CHUNK_SCOPE, b == F_FIRST, lambda: fns.embed(params, tokens),
+                                        lambda: x_recv)
                 (y, aux), stats = fns.layers(params, x, layer_ids, rows)
                 return y, aux.astype(jnp.float32), stats
 
-            branches = [
-                lambda: (zeros_x, jnp.zeros((), jnp.float32), no_stats),
-                lambda: run(fns.embed(params, tokens)),
-                lambda: run(x_recv),
-                lambda: run(x_recv),
-            ]
+            branches = [lambda: (zeros_x, jnp.zeros((), jnp.float32), no_stats), forward]
             with jax.named_scope(TICK_SCOPE):
-                y, aux, stats = jax.lax.switch(branch[t, s], branches)
+                y, aux, stats = jax.lax.switch(switch_index(b), branches)
             # the last chunk's outputs are kept; every other tick writes the spare slot M
-            outputs = stash_write(outputs, (jnp.where(branch[t, s] == F_LAST, m, M),), y)
+            outputs = stash_write(outputs, (jnp.where(b == F_LAST, m, M),), y)
             x_next = jax.lax.ppermute(y, axis, [(i, i + 1) for i in range(S - 1)])
             return (x_next, outputs, aux_sum + aux, jax.tree.map(jnp.add, stats_sum, stats)), None
 

@@ -13,20 +13,25 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.parallel.pipeline import (
+    B_FIRST,
     B_LAST,
     B_MID,
     F_FIRST,
     F_LAST,
     F_MID,
+    FIRST_CHUNK_SCOPE,
+    LAST_CHUNK_SCOPE,
     TICK_SCOPE,
     Residuals,
     StageFns,
     action_arrays,
     chunk_params,
+    first_or_last_chunk,
     local_layers,
     microbatch,
     stash_read,
     stash_write,
+    switch_index,
     zeros_like_shapes,
 )
 from jaxpar.parallel.schedules import Table, stash_size
@@ -80,8 +85,9 @@ class _TickInputs:
 
 class _OneFOneB:
     """1F1B / interleaved / 2BW on one device: every tick of the table in a `lax.scan`, each a
-    `lax.switch` over the branches (idle, forward or backward of a first, middle or last chunk), with
-    an explicit backward from kept residuals (or, with `recompute`, from the chunk's input)."""
+    `lax.switch` over idle, a chunk's forward and its backward (the embedding on the first chunk and
+    the head on the last in conds inside them), with an explicit backward from kept residuals (or,
+    with `recompute`, from the chunk's input)."""
 
     def __init__(self, fns: StageFns, params, is_stacked, batch_M, layer_ids, table: Table, axis: str,
                  recompute: bool):
@@ -107,12 +113,14 @@ class _OneFOneB:
         ids0 = layer_ids[:self.layers_per_chunk]
         stats_shape = jax.eval_shape(lambda *a: self.layers.split(*a)[1], chunk0, self.zeros_x, ids0, rows0)
         self.no_stats = zeros_like_shapes(stats_shape)
-        self.kept = {} if recompute else {
+        kept = {
             "embed": self.embed.shapes(self.compute, tokens0),
             "layers": self.layers.shapes(chunk0, self.zeros_x, ids0, rows0),
             "head": self.head.shapes(self.compute, self.zeros_x, tokens0),
         }
-        self.no_res = {name: [jnp.zeros(r.shape, r.dtype) for r in shapes] for name, shapes in self.kept.items()}
+        self.no_res = {name: [jnp.zeros(r.shape, r.dtype) for r in shapes] for name, shapes in kept.items()}
+        self.kept = {} if recompute else kept  # what the stash holds
+        self.no_kept = {name: self.no_res[name] for name in self.kept}  # what ticks that keep nothing write
 
     def run(self, params):
         """(this device's share of the mean loss, sums of the layers' stats, grads)."""
@@ -137,11 +145,9 @@ class _OneFOneB:
             p=chunk_params(self.compute, self.is_stacked, local_chunk, self.layers_per_chunk), tokens=tokens,
             rows=rows, ids=ids, local_chunk=local_chunk, stash=stash, slot=slot, grads=grads, loss_sum=loss_sum,
             stats_sum=stats_sum)
-        branches = [lambda: self.idle(inputs)]
-        branches += [lambda first=first, last=last: self.forward(inputs, first, last) for first, last in _PLACES]
-        branches += [lambda first=first, last=last: self.backward(inputs, first, last) for first, last in _PLACES]
+        branches = [lambda: self.idle(inputs), lambda: self.forward(inputs, b), lambda: self.backward(inputs, b)]
         with jax.named_scope(TICK_SCOPE):
-            grads, loss_sum, stats_sum, out_f, out_b, res = jax.lax.switch(b, branches)
+            grads, loss_sum, stats_sum, out_f, out_b, res = jax.lax.switch(switch_index(b), branches)
         # A forward's residuals go to its slot; every other tick writes the spare slot K.
         keep_slot = (jnp.where((b >= F_FIRST) & (b <= F_LAST), m % K, K), local_chunk)
         residuals = {name: [stash_write(buf, keep_slot, r) for buf, r in zip(bufs, res[name])]
@@ -165,53 +171,50 @@ class _OneFOneB:
         return dataclasses.replace(stash, x=x, g=g)
 
     def idle(self, i: _TickInputs):
-        return i.grads, i.loss_sum, i.stats_sum, self.zeros_x, self.zeros_x, self.no_res
+        return i.grads, i.loss_sum, i.stats_sum, self.zeros_x, self.zeros_x, self.no_kept
 
-    def forward(self, i: _TickInputs, first: bool, last: bool):
-        """A chunk's forward: its output goes to the next stage (the last chunk's loss is summed), and
-        its residuals to the stash (with recompute, nothing beyond the input already stashed)."""
-        fns, res, x, loss, y = self.fns, dict(self.no_res), i.x_in, jnp.zeros((), jnp.float32), None
-        if self.recompute:
-            (y, _), stats = fns.layers(i.p, fns.embed(i.p, i.tokens) if first else x, i.ids, i.rows)
-            if last:
-                loss, y = fns.head_loss(i.p, y, i.tokens).astype(jnp.float32), self.zeros_x
-        else:
-            if first:
-                x, _, res["embed"] = self.embed.split(i.p, i.tokens)
-            (y, _), stats, res["layers"] = self.layers.split(i.p, x, i.ids, i.rows)
-            if last:
-                loss, _, res["head"] = self.head.split(i.p, y, i.tokens)
-                y = self.zeros_x
-        return i.grads, i.loss_sum + loss, jax.tree.map(jnp.add, i.stats_sum, stats), y, self.zeros_x, res
+    def forward(self, i: _TickInputs, branch):
+        """A chunk's forward: its output goes to the next stage (on the last chunk, the head's loss is
+        summed and zeros go on), and its residuals to the stash (with recompute, nothing beyond the
+        input already stashed)."""
+        y, loss, stats, res = self._chunk_forward(i, branch == F_FIRST, branch == F_LAST)
+        kept = {name: res[name] for name in self.kept}
+        return i.grads, i.loss_sum + loss, jax.tree.map(jnp.add, i.stats_sum, stats), y, self.zeros_x, kept
 
-    def backward(self, i: _TickInputs, first: bool, last: bool):
-        """A chunk's backward from its stashed residuals (or its recomputed forward): its weight
-        gradients join the sums, its input's cotangent goes to the previous stage."""
-        if self.recompute:
-            _, vjp, _ = jax.vjp(lambda p, x: self._whole(i, p, x, first, last), i.p, i.x_in, has_aux=True)
-            chunk_grads, dx = vjp(self.d_aux if last else (i.g_in, self.d_aux))
-        else:
-            chunk_grads, dy = jax.tree.map(jnp.zeros_like, i.p), i.g_in
-            stored = i.stored
-            if last:
-                chunk_grads, dy = self.head.pullback(stored["head"], i.p, self.zeros_x, i.tokens)(self.d_aux)
-            pullback = self.layers.pullback(stored["layers"], i.p, self.zeros_x, i.ids, i.rows)
-            layer_grads, dx = pullback((dy, self.d_aux))
-            chunk_grads = jax.tree.map(jnp.add, chunk_grads, layer_grads)
-            if first:
-                embed_grads, _ = self.embed.pullback(stored["embed"], i.p, i.tokens)(dx)
-                chunk_grads = jax.tree.map(jnp.add, chunk_grads, embed_grads)
-        grads = self._add_chunk_grads(i.grads, chunk_grads, i.local_chunk)
-        return grads, i.loss_sum, i.stats_sum, self.zeros_x, self.zeros_x if first else dx, self.no_res
+    def _chunk_forward(self, i: _TickInputs, first, last):
+        """(output to send on, loss, stats, residuals by part) of the chunk: the embedding gives the
+        first chunk's input, and on the last chunk the head's loss is taken and zeros go on."""
+        x, embed_res = first_or_last_chunk(
+            FIRST_CHUNK_SCOPE, first, lambda: _without_stats(self.embed.split(i.p, i.tokens)),
+            lambda: (i.x_in, self.no_res["embed"]))
+        (y, _), stats, layers_res = self.layers.split(i.p, x, i.ids, i.rows)
+        loss, head_res, y = first_or_last_chunk(
+            LAST_CHUNK_SCOPE, last, lambda: (*_without_stats(self.head.split(i.p, y, i.tokens)), self.zeros_x),
+            lambda: (jnp.zeros((), jnp.float32), self.no_res["head"], y))
+        return y, loss, stats, {"embed": embed_res, "layers": layers_res, "head": head_res}
 
-    def _whole(self, i: _TickInputs, p, x, first: bool, last: bool):
-        """The chunk as one function for recomputation: ((output, aux), stats), or on the last chunk
-        (loss + aux, stats)."""
-        fns = self.fns
-        (y, aux), stats = fns.layers(p, fns.embed(p, i.tokens) if first else x, i.ids, i.rows)
-        if last:
-            return fns.head_loss(p, y, i.tokens).astype(jnp.float32) + aux, stats
-        return (y, aux), stats
+    def backward(self, i: _TickInputs, branch):
+        """A chunk's backward from its stashed residuals (with recompute, from its forward run again):
+        the head's on the last chunk, the layers', the embedding's on the first chunk. Its weight
+        gradients join the sums (inside the conds, so that a chunk adds nothing for parts it lacks), and
+        its input's cotangent goes to the previous stage (zeros from the first chunk)."""
+        first, last, local_chunk = branch == B_FIRST, branch == B_LAST, i.local_chunk
+        stored = self._chunk_forward(i, first, last)[3] if self.recompute else i.stored
+
+        def head_backward():
+            head_grads, dy = self.head.pullback(stored["head"], i.p, self.zeros_x, i.tokens)(self.d_aux)
+            return self._add_chunk_grads(i.grads, head_grads, local_chunk), dy
+
+        grads, dy = first_or_last_chunk(LAST_CHUNK_SCOPE, last, head_backward, lambda: (i.grads, i.g_in))
+        layer_grads, dx = self.layers.pullback(stored["layers"], i.p, self.zeros_x, i.ids, i.rows)((dy, self.d_aux))
+        grads = self._add_chunk_grads(grads, layer_grads, local_chunk)
+
+        def embed_backward():
+            embed_grads, _ = self.embed.pullback(stored["embed"], i.p, i.tokens)(dx)
+            return self._add_chunk_grads(grads, embed_grads, local_chunk), self.zeros_x
+
+        grads, dx = first_or_last_chunk(FIRST_CHUNK_SCOPE, first, embed_backward, lambda: (grads, dx))
+        return grads, i.loss_sum, i.stats_sum, self.zeros_x, dx, self.no_kept
 
     def _add_chunk_grads(self, grads, chunk_grads, local_chunk):
         n = self.layers_per_chunk
@@ -221,8 +224,10 @@ class _OneFOneB:
             if stacked else g + cg.astype(g.dtype), grads, chunk_grads, self.is_stacked)
 
 
-# (first chunk, last chunk) of the forward and backward branches, in BRANCHES' order
-_PLACES = ((True, False), (False, False), (False, True))
+def _without_stats(split):
+    """(output, kept residuals) of a Residuals.split whose function reports no stats."""
+    out, _, kept = split
+    return out, kept
 
 
 def one_f_one_b_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer_ids, table: Table,

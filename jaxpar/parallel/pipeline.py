@@ -7,10 +7,14 @@ layers dimension). Neighbouring stages exchange activations (forward) and their 
 (backward) with `ppermute`; the embedding runs on the first stage and the head and loss on
 the last, so a backward can start on the last stage as soon as its forward is done.
 
-Every tick is one `lax.switch` over the branch the schedule table gives each device
-(`BRANCHES`): idle, or a forward or backward of the first, a middle or the last chunk. So the
-embedding and the head run only where the table puts them, and the compiled branches can be
-costed one by one (`jaxpar plan`'s executed FLOPs).
+Every tick is one `lax.switch` over what the schedule table gives each device (`BRANCHES`):
+idle, or a forward or backward of the first, a middle or the last chunk. GPipe and the 1F1B
+types switch between idle, forward and backward, and in those a cond runs the embedding on the
+first chunk and another the head on the last, so the program holds one forward and one
+backward of the chunk's layers, not three of each (the zero-bubble schedules still have a
+branch per kind). So the embedding and the head run only where the table puts them, and each
+kind can be costed from the compiled branches (`jaxpar plan`'s executed FLOPs;
+`compiled_branches`).
 
 - GPipe: a scan over the table's forward ticks, differentiated by autodiff, which gives the
   all-forwards-then-all-backwards order and keeps activations for all M microbatches.
@@ -45,6 +49,11 @@ BRANCHES = ("idle", "forward first", "forward middle", "forward last",
 IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST, W_FIRST, W_MID, W_LAST = range(len(BRANCHES))
 # Name scope of the tick switch, found again in the compiled program's metadata.
 TICK_SCOPE = "pipeline_tick"
+# Name scopes of the conds inside a tick branch that run the embedding (or its backward) on the first
+# chunk only, and the head and loss (or their backward) on the last: GPipe's and 1F1B's branches run
+# one copy of the chunk for the first, middle and last chunk alike, not three.
+FIRST_CHUNK_SCOPE = "pipeline_first_chunk"
+LAST_CHUNK_SCOPE = "pipeline_last_chunk"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +84,44 @@ def branch_of(action, last_chunk: int) -> int:
         return IDLE
     place = 0 if action.chunk == 0 else 2 if action.chunk == last_chunk else 1
     return {"F": F_FIRST, "B": B_FIRST, "W": W_FIRST}[action.kind] + place
+
+
+def compiled_branches(table: Table) -> list[tuple[int, dict[str, int]] | None]:
+    """For each kind of BRANCHES, how the schedule's executor runs it: the index of the tick switch's
+    branch, and the branch (0: skip, 1: run) that each cond nested in it takes, by name scope; None
+    for a kind the executor never runs. Zero bubble has a branch per kind; GPipe (forward ticks only)
+    and the 1F1B types one per idle, forward and backward, their conds telling first and last apart."""
+    if table.split_backward:
+        return [(k, {}) for k in range(len(BRANCHES))]
+    places = ({FIRST_CHUNK_SCOPE: 1, LAST_CHUNK_SCOPE: 0}, {FIRST_CHUNK_SCOPE: 0, LAST_CHUNK_SCOPE: 0},
+              {FIRST_CHUNK_SCOPE: 0, LAST_CHUNK_SCOPE: 1})
+    backward = [None] * 3 if table.schedule == "gpipe" else [(2, place) for place in places]
+    return [(0, {}), *[(1, place) for place in places], *backward, None, None, None]
+
+
+def switch_index(branch):
+    """The tick switch's branch (idle 0, forward 1, backward 2) that runs a traced BRANCHES kind of a
+    GPipe or 1F1B-type schedule (compiled_branches)."""
+    return jnp.where(branch == IDLE, 0, jnp.where(branch <= F_LAST, 1, 2))
+
+
+def first_or_last_chunk(scope: str, run: bool, on_chunk: Callable, otherwise: Callable):
+    """on_chunk() where `run` (a traced bool: this tick's chunk is the first, or the last), else
+    otherwise(), in a cond named `scope` (FIRST_CHUNK_SCOPE or LAST_CHUNK_SCOPE) for the plan's
+    costing."""
+    with jax.named_scope(scope):
+        return jax.lax.cond(run, lambda: _open(on_chunk()), lambda: _open(otherwise()))
+
+
+def _open(tree):
+    """The arrays of `tree` with their shardings over the automatic axes left to the partitioner. The
+    branches of a cond must agree on their results' shardings, and where one branch runs the
+    embedding (which constrains its output) the other passes on a stashed input (open)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return tree
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
+        a, jax.sharding.PartitionSpec(*[jax.sharding.PartitionSpec.UNCONSTRAINED] * a.ndim)), tree)
 
 
 def switch_ticks(table: Table) -> int:

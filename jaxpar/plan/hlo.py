@@ -115,17 +115,31 @@ def matmul_flops(module: Module, root: str | None = None) -> float:
 
 
 def conditionals(module: Module, scope: str) -> list[tuple[str, list[str]]]:
-    """(calling computation, branch computations in index order) of every conditional whose
-    op_name metadata contains `scope`."""
+    """(calling computation, branch computations in index order) of every conditional whose innermost
+    name scope is `scope` (also as autodiff wraps it: jvp(scope), transpose(jvp(scope))), not those
+    nested in its branches under a scope of their own."""
+    named = re.compile(rf'op_name="[^"]*[/(]{re.escape(scope)}\)*/cond"')
     found = []
     for name, instructions in module.computations.items():
         for inst in instructions:
-            if inst.op != "conditional" or scope not in inst.rest:
+            if inst.op != "conditional" or not named.search(inst.rest):
                 continue
             branches = re.search(r"branch_computations=\{([^}]*)\}", inst.rest)
             if branches:
                 found.append((name, re.findall(r"%([^\s,}]+)", branches.group(1))))
     return found
+
+
+def taking(module: Module, choices: dict[str, int]) -> Module:
+    """The module as it runs where each conditional named by a scope of `choices` takes the branch given
+    there: its other branches are not called."""
+    calls = {callee: list(callers) for callee, callers in module.calls.items()}
+    for scope, chosen in choices.items():
+        for caller, branches in conditionals(module, scope):
+            for k, branch in enumerate(branches):
+                if k != chosen:
+                    calls[branch] = [(c, times) for c, times in calls.get(branch, []) if c != caller]
+    return Module(module.computations, module.entry, calls)
 
 
 # Instructions that write no memory of their own (views, control flow, the state threaded
@@ -192,39 +206,39 @@ def written_bytes(module: Module, root: str | None = None) -> float:
     return total
 
 
-def executed_cost(module: Module, scope: str, branch_runs: list[list[int]], cost) -> list[float]:
+Kinds = list[tuple[int, dict[str, int]] | None]
+
+
+def executed_cost(module: Module, scope: str, kinds: Kinds, kind_runs: list[list[int]], cost) -> list[float]:
     """`cost(module, root=None)` (matmul_flops, written_bytes) per step as each device runs it,
     one figure per device.
 
     `cost` counts every branch of a conditional each time the conditional runs. For the
-    conditionals named by `scope`, device d takes branch k branch_runs[d][k] times per step
-    instead: each branch is costed from its own compiled computation and counted that often.
+    conditionals named by `scope`, device d runs kind k of work kind_runs[d][k] times per step
+    instead, each costed from the compiled branch that runs it (see `branch_costs`).
     Everything else runs on every device as counted.
     """
-    total = cost(module)
-    per_device = [total] * len(branch_runs)
-    for caller, branches in conditionals(module, scope):
+    for caller, _ in conditionals(module, scope):
         runs = module.executions(caller)
-        for _, taken in enumerate(branch_runs):
+        for taken in kind_runs:
             if sum(taken) != runs:
                 raise ValueError(f"the schedule takes {sum(taken)} branches of a conditional that runs {runs} times")
-        for k, branch in enumerate(branches):
-            amount = cost(module, root=branch)
-            for d, taken in enumerate(branch_runs):
-                per_device[d] += (taken[k] - runs) * amount
-    return per_device
+    per_kind, outside = branch_costs(module, scope, kinds, cost)
+    return [outside + sum(n * amount for n, amount in zip(taken, per_kind)) for taken in kind_runs]
 
 
-def branch_costs(module: Module, scope: str, cost) -> tuple[list[float], float]:
-    """(`cost` of one run of each branch of the conditionals named by `scope`, by branch index;
-    `cost` per step of everything else), per device: what a schedule's table is timed with."""
-    per_branch: list[float] = []
+def branch_costs(module: Module, scope: str, kinds: Kinds, cost) -> tuple[list[float], float]:
+    """(`cost` of one run of each kind of work, `cost` per step of everything else), per device: what a
+    schedule's table is timed with. kinds[k] is the branch of the conditionals named by `scope` that
+    runs kind k, and the branch that each conditional nested in it takes, by scope (None: a kind never
+    run, costed 0)."""
+    per_kind = [0.0] * len(kinds)
     outside = cost(module)
     for caller, branches in conditionals(module, scope):
         runs = module.executions(caller)
-        for k, branch in enumerate(branches):
-            amount = cost(module, root=branch)
-            per_branch += [0.0] * (k + 1 - len(per_branch))
-            per_branch[k] += amount
-            outside -= runs * amount
-    return per_branch, outside
+        outside -= runs * sum(cost(module, root=branch) for branch in branches)
+        for k, kind in enumerate(kinds):
+            if kind is not None:
+                index, choices = kind
+                per_kind[k] += cost(taking(module, choices), root=branches[index])
+    return per_kind, outside

@@ -14,7 +14,7 @@ import math
 import jax
 
 from jaxpar.parallel.context import blocks_per_rank
-from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts
+from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts, compiled_branches
 from jaxpar.plan.collectives import bytes_by_op, collectives
 from jaxpar.plan.hlo import executed_cost, matmul_flops, parse, written_bytes
 from jaxpar.plan.transfers import host_transfers
@@ -66,9 +66,10 @@ def measure_step(trainer) -> dict:
     flops = matmul_flops(module)
     per_stage, written = [flops], [written_bytes(module)]
     if trainer.pipeline.table is not None:
-        taken = branch_counts(trainer.pipeline.table).tolist()
-        per_stage = executed_cost(module, TICK_SCOPE, taken, matmul_flops)
-        written = executed_cost(module, TICK_SCOPE, taken, written_bytes)
+        table = trainer.pipeline.table
+        taken, kinds = branch_counts(table).tolist(), compiled_branches(table)
+        per_stage = executed_cost(module, TICK_SCOPE, kinds, taken, matmul_flops)
+        written = executed_cost(module, TICK_SCOPE, kinds, taken, written_bytes)
     return {
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),
