@@ -185,11 +185,11 @@ class _OneFOneB:
         """(output to send on, loss, stats, residuals by part) of the chunk: the embedding gives the
         first chunk's input, and on the last chunk the head's loss is taken and zeros go on."""
         x, embed_res = first_or_last_chunk(
-            FIRST_CHUNK_SCOPE, first, lambda: _without_stats(self.embed.split(i.p, i.tokens)),
+            FIRST_CHUNK_SCOPE, first, lambda: self.embed.split_without_stats(i.p, i.tokens),
             lambda: (i.x_in, self.no_res["embed"]))
         (y, _), stats, layers_res = self.layers.split(i.p, x, i.ids, i.rows)
         loss, head_res, y = first_or_last_chunk(
-            LAST_CHUNK_SCOPE, last, lambda: (*_without_stats(self.head.split(i.p, y, i.tokens)), self.zeros_x),
+            LAST_CHUNK_SCOPE, last, lambda: (*self.head.split_without_stats(i.p, y, i.tokens), self.zeros_x),
             lambda: (jnp.zeros((), jnp.float32), self.no_res["head"], y))
         return y, loss, stats, {"embed": embed_res, "layers": layers_res, "head": head_res}
 
@@ -223,11 +223,6 @@ class _OneFOneB:
                 g, jax.lax.dynamic_slice_in_dim(g, local_chunk * n, n) + cg.astype(g.dtype), local_chunk * n, 0)
             if stacked else g + cg.astype(g.dtype), grads, chunk_grads, self.is_stacked)
 
-
-def _without_stats(split):
-    """(output, kept residuals) of a Residuals.split whose function reports no stats."""
-    out, _, kept = split
-    return out, kept
 
 
 def one_f_one_b_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer_ids, table: Table,

@@ -8,13 +8,12 @@ layers dimension). Neighbouring stages exchange activations (forward) and their 
 the last, so a backward can start on the last stage as soon as its forward is done.
 
 Every tick is one `lax.switch` over what the schedule table gives each device (`BRANCHES`):
-idle, or a forward or backward of the first, a middle or the last chunk. GPipe and the 1F1B
-types switch between idle, forward and backward, and in those a cond runs the embedding on the
-first chunk and another the head on the last, so the program holds one forward and one
-backward of the chunk's layers, not three of each (the zero-bubble schedules still have a
-branch per kind). So the embedding and the head run only where the table puts them, and each
-kind can be costed from the compiled branches (`jaxpar plan`'s executed FLOPs;
-`compiled_branches`).
+idle, or a forward or backward (zero bubble: B or W) of the first, a middle or the last chunk.
+The switch's branches are idle, forward, backward (and W), and in those a cond runs the
+embedding's part on the first chunk and another the head's on the last, so the program holds
+one copy of each of the chunk's programs, not three. So the embedding and the head run only
+where the table puts them, and each kind can be costed from the compiled branches (`jaxpar
+plan`'s executed FLOPs; `compiled_branches`).
 
 - GPipe: a scan over the table's forward ticks, differentiated by autodiff, which gives the
   all-forwards-then-all-backwards order and keeps activations for all M microbatches.
@@ -88,21 +87,21 @@ def branch_of(action, last_chunk: int) -> int:
 
 def compiled_branches(table: Table) -> list[tuple[int, dict[str, int]] | None]:
     """For each kind of BRANCHES, how the schedule's executor runs it: the index of the tick switch's
-    branch, and the branch (0: skip, 1: run) that each cond nested in it takes, by name scope; None
-    for a kind the executor never runs. Zero bubble has a branch per kind; GPipe (forward ticks only)
-    and the 1F1B types one per idle, forward and backward, their conds telling first and last apart."""
-    if table.split_backward:
-        return [(k, {}) for k in range(len(BRANCHES))]
+    branch (idle, forward, backward, weights: switch_index), and the branch (0: skip, 1: run) that
+    each cond nested in it takes, by name scope; None for a kind the executor never runs (GPipe's
+    switch has forward ticks only, the 1F1B types no W)."""
     places = ({FIRST_CHUNK_SCOPE: 1, LAST_CHUNK_SCOPE: 0}, {FIRST_CHUNK_SCOPE: 0, LAST_CHUNK_SCOPE: 0},
               {FIRST_CHUNK_SCOPE: 0, LAST_CHUNK_SCOPE: 1})
-    backward = [None] * 3 if table.schedule == "gpipe" else [(2, place) for place in places]
-    return [(0, {}), *[(1, place) for place in places], *backward, None, None, None]
+    kinds = [(0, {}), *[(1, place) for place in places]]
+    for index, runs in ((2, table.schedule != "gpipe"), (3, table.split_backward)):
+        kinds += [(index, place) if runs else None for place in places]
+    return kinds
 
 
 def switch_index(branch):
-    """The tick switch's branch (idle 0, forward 1, backward 2) that runs a traced BRANCHES kind of a
-    GPipe or 1F1B-type schedule (compiled_branches)."""
-    return jnp.where(branch == IDLE, 0, jnp.where(branch <= F_LAST, 1, 2))
+    """The tick switch's branch that runs a traced BRANCHES kind: idle 0, forward 1, backward (B) 2,
+    weights (W) 3; the conds inside tell the first, middle and last chunk apart (compiled_branches)."""
+    return jnp.where(branch == IDLE, 0, jnp.where(branch <= F_LAST, 1, jnp.where(branch <= B_LAST, 2, 3)))
 
 
 def first_or_last_chunk(scope: str, run: bool, on_chunk: Callable, otherwise: Callable):
@@ -217,6 +216,11 @@ class Residuals:
     def split(self, params, x, *consts):
         out, stats, leaves, _, is_weight = self._trace(params, x, *consts)
         return out, stats, [leaf for leaf, w in zip(leaves, is_weight) if w is None]
+
+    def split_without_stats(self, params, x, *consts):
+        """(output, storable residuals): `split` of a function that reports no stats."""
+        out, _, kept = self.split(params, x, *consts)
+        return out, kept
 
     def shapes(self, params, x, *consts) -> list:
         """Shapes and dtypes of the storable residuals."""

@@ -17,23 +17,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.parallel.pipeline import (
+    B_FIRST,
+    B_LAST,
+    F_FIRST,
+    F_LAST,
+    FIRST_CHUNK_SCOPE,
+    LAST_CHUNK_SCOPE,
     TICK_SCOPE,
+    W_LAST,
     Residuals,
     StageFns,
     action_arrays,
     chunk_params,
+    first_or_last_chunk,
     local_layers,
     microbatch,
     stash_read,
     stash_write,
+    switch_index,
     zeros_like_shapes,
 )
 from jaxpar.parallel.schedules import Table
 from jaxpar.parallel.split_backward import SplitBackward
 from jaxpar.parallel.stash_slots import Pool, assign, write_slots
 
-# (first chunk, last chunk) of the F, B and W branches, in BRANCHES' order
-_PLACES = ((True, False), (False, False), (False, True))
 # What arrives at a device at the end of a tick, from each neighbour and from itself (zbv's turn)
 _SOURCES = ("below", "above", "local")
 _NOTHING, _INPUT, _COTANGENT = 0, 1, 2
@@ -62,7 +69,8 @@ class _Tick:
 
 class _ZeroBubble:
     """ZB-H1 / ZB-V on one device: every tick of the table in a `lax.scan`, each a `lax.switch` over
-    idle and the F, B and W of a first, middle or last chunk. Built once per trace: the three
+    idle, F, B and W (the embedding's part on the first chunk and the head's on the last in conds
+    inside them). Built once per trace: the three
     backward programs split into B and W (layers, head; the embedding's whole in B), the pools
     with their shapes, and per tick and stage the slots each action reads, writes and receives."""
 
@@ -92,6 +100,7 @@ class _ZeroBubble:
         # the embedding's backward (a scatter-add, no matmul) runs whole in B; this drops its zeros
         self.embed_backward = SplitBackward(self._embed_backward, chunk0, embed_kept, tokens0, self.zeros_x, whole=True)
         self.n_kept = {"embed": len(embed_kept), "layers": len(layers_kept), "head": len(head_kept)}
+        self.no_embed_res, self.no_head_res = zeros_like_shapes(embed_kept), zeros_like_shapes(head_kept)
         self.stacked = jax.tree.leaves(is_stacked)
         self._plan_pools(embed_kept, layers_kept, head_kept)
 
@@ -157,12 +166,10 @@ class _ZeroBubble:
     def tick(self, carry, t):
         stash, *sums = carry
         i = _Tick(self, stash, t, tuple(sums))
-        branches = [lambda: self.idle(i)]
-        branches += [lambda first=first, last=last: self.forward(i, first, last) for first, last in _PLACES]
-        branches += [lambda first=first, last=last: self.input_backward(i, first, last) for first, last in _PLACES]
-        branches += [lambda first=first, last=last: self.weight_backward(i, first, last) for first, last in _PLACES]
+        branches = [lambda: self.idle(i), lambda: self.forward(i), lambda: self.input_backward(i),
+                    lambda: self.weight_backward(i)]
         with jax.named_scope(TICK_SCOPE):
-            grads, loss_sum, stats_sum, sent, writes = jax.lax.switch(i.branch, branches)
+            grads, loss_sum, stats_sum, sent, writes = jax.lax.switch(switch_index(i.branch), branches)
         stash = self._keep(stash, writes, t)
         stash = self._receive(stash, t, sent)
         return (stash, grads, loss_sum, stats_sum), None
@@ -230,56 +237,68 @@ class _ZeroBubble:
     def idle(self, i: _Tick):
         return i.grads, i.loss_sum, i.stats_sum, self.zeros_x, self._no_writes()
 
-    def forward(self, i: _Tick, first: bool, last: bool):
+    def forward(self, i: _Tick):
         """F: the chunk's output goes to the next chunk (the last chunk's loss is summed), its residuals
         to the pools B and W read them from."""
-        writes, loss = {}, jnp.zeros((), jnp.float32)
-        x = self.zeros_x if first else i.kept("x")[0]
-        if first:
-            x, _, res = self.embed.split(i.p, i.tokens)
-            self._fill(writes, "embed", res)
+        writes = {}
+        x, embed_res = first_or_last_chunk(
+            FIRST_CHUNK_SCOPE, i.branch == F_FIRST, lambda: self.embed.split_without_stats(i.p, i.tokens),
+            lambda: (i.kept("x")[0], self.no_embed_res))
+        self._fill(writes, "embed", embed_res)
         (y, _), stats, res = self.layers.split(i.p, x, i.ids, i.rows)
         self._fill(writes, "layers", res)
-        if last:
-            loss, _, res = self.head.split(i.p, y, i.tokens)
-            self._fill(writes, "head", res)
-            y = self.zeros_x
+        loss, head_res, y = first_or_last_chunk(
+            LAST_CHUNK_SCOPE, i.branch == F_LAST,
+            lambda: (*self.head.split_without_stats(i.p, y, i.tokens), self.zeros_x),
+            lambda: (jnp.zeros((), jnp.float32), self.no_head_res, y))
+        self._fill(writes, "head", head_res)
         return i.grads, i.loss_sum + loss, jax.tree.map(jnp.add, i.stats_sum, stats), y, self._written(writes)
 
     def _fill(self, writes: dict, part: str, residuals: list) -> None:
         for half in ("B", "W"):
             writes[f"{part} {half}"] = [residuals[j] for j in self.leaves.get(f"{part} {half}", [])]
 
-    def input_backward(self, i: _Tick, first: bool, last: bool):
+    def input_backward(self, i: _Tick):
         """B: the chunk input's cotangent (sent to the previous chunk) and the gradients that need no
-        matmul; what W will need goes to the crossing pools."""
-        writes, grads = {}, i.grads
-        if last:
+        matmul (added inside the conds, so that a chunk adds nothing for parts it lacks); what W will
+        need goes to the crossing pools."""
+        no_writes = self._no_writes()
+        last_writes = [name for name in ("head cross", "g") if name in no_writes and (name != "g" or self.reads_dy)]
+
+        def head_b():
             leaves = jax.tree.leaves(i.p) + self._stored(i, "head") + jax.tree.leaves(i.tokens)
-            dy, in_b, writes["head cross"] = self.head_split.input_half(leaves)
-            grads = self._add(grads, in_b, i.local_chunk)
-            if self.reads_dy:  # W reads dy: the last chunk's, from its own head, is kept too
-                writes["g"] = [dy]
-        else:
-            dy = i.kept("g")[0]
+            dy, in_b, cross = self.head_split.input_half(leaves)
+            # W reads dy: the last chunk's, from its own head, is kept too
+            kept = {"head cross": cross, "g": [dy]}
+            return self._add(i.grads, in_b, i.local_chunk), dy, {name: kept[name] for name in last_writes}
+
+        grads, dy, writes = first_or_last_chunk(
+            LAST_CHUNK_SCOPE, i.branch == B_LAST, head_b,
+            lambda: (i.grads, i.kept("g")[0], {name: no_writes[name] for name in last_writes}))
         leaves = jax.tree.leaves(i.p) + self._stored(i, "layers") + jax.tree.leaves((i.ids, i.rows, dy))
         dx, in_b, writes["layers cross"] = self.layers_split.input_half(leaves)
         grads = self._add(grads, in_b, i.local_chunk)
-        if first:
+
+        def embed_b():
             leaves = jax.tree.leaves(i.p) + self._stored(i, "embed") + jax.tree.leaves((i.tokens, dx))
-            grads = self._add(grads, self.embed_backward.input_half(leaves)[1], i.local_chunk)
-            dx = self.zeros_x
+            return self._add(grads, self.embed_backward.input_half(leaves)[1], i.local_chunk), self.zeros_x
+
+        grads, dx = first_or_last_chunk(FIRST_CHUNK_SCOPE, i.branch == B_FIRST, embed_b, lambda: (grads, dx))
         return grads, i.loss_sum, i.stats_sum, dx, self._written(writes)
 
-    def weight_backward(self, i: _Tick, first: bool, last: bool):
+    def weight_backward(self, i: _Tick):
         """W: the weight gradients, from the residuals W reads and what B handed over."""
         dy = i.kept("g")[0] if self.reads_dy else None
         leaves = jax.tree.leaves(i.p) + self._stored(i, "layers", ("W",)) + jax.tree.leaves((i.ids, i.rows)) + [dy]
         grads = self._add(i.grads, self.layers_split.weight_half(leaves, i.kept("layers cross")), i.local_chunk)
-        if last:
+
+        def head_w():
             leaves = jax.tree.leaves(i.p) + self._stored(i, "head", ("W",)) + jax.tree.leaves(i.tokens)
-            grads = self._add(grads, self.head_split.weight_half(leaves, i.kept("head cross")), i.local_chunk)
+            return self._add(grads, self.head_split.weight_half(leaves, i.kept("head cross")), i.local_chunk)
+
+        grads = first_or_last_chunk(LAST_CHUNK_SCOPE, i.branch == W_LAST, head_w, lambda: grads)
         return grads, i.loss_sum, i.stats_sum, self.zeros_x, self._no_writes()
+
 
 
 def _b_only(split: SplitBackward, at) -> list[int]:
