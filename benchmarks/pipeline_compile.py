@@ -85,7 +85,7 @@ def main() -> None:
         first = medians[checkouts[0], schedule]
         for checkout in checkouts:
             m = medians[checkout, schedule]
-            cells = [f"{m[f]:.2f}" if isinstance(m[f], float) else str(m[f]) for f in FIELDS]
+            cells = [str(round(m[f])) if f == "fusions" else f"{m[f]:.2f}" for f in FIELDS]
             print(f"| {schedule} | {checkout.name} | {' | '.join(cells)} | "
                   f"{m['trace_lower_s'] / first['trace_lower_s']:.2f} | {m['compile_s'] / first['compile_s']:.2f} |")
     print(json.dumps({f"{c.name} {s}": m for (c, s), m in medians.items()}))
