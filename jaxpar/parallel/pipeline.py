@@ -49,7 +49,7 @@ IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST, W_FIRST, W_MID, W_LAST = r
 # Name scope of the tick switch, found again in the compiled program's metadata.
 TICK_SCOPE = "pipeline_tick"
 # Name scopes of the conds inside a tick branch that run the embedding (or its backward) on the first
-# chunk only, and the head and loss (or their backward) on the last: GPipe's and 1F1B's branches run
+# chunk only, and the head and loss (or their backward) on the last: every executor's branches run
 # one copy of the chunk for the first, middle and last chunk alike, not three.
 FIRST_CHUNK_SCOPE = "pipeline_first_chunk"
 LAST_CHUNK_SCOPE = "pipeline_last_chunk"

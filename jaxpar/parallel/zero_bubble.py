@@ -70,9 +70,9 @@ class _Tick:
 class _ZeroBubble:
     """ZB-H1 / ZB-V on one device: every tick of the table in a `lax.scan`, each a `lax.switch` over
     idle, F, B and W (the embedding's part on the first chunk and the head's on the last in conds
-    inside them). Built once per trace: the three
-    backward programs split into B and W (layers, head; the embedding's whole in B), the pools
-    with their shapes, and per tick and stage the slots each action reads, writes and receives."""
+    inside them). Built once per trace: the three backward programs split into B and W (layers,
+    head; the embedding's whole in B), the pools with their shapes, and per tick and stage the slots
+    each action reads, writes and receives."""
 
     def __init__(self, fns: StageFns, params, is_stacked, batch_M, layer_ids, table: Table, axis: str):
         self.fns, self.is_stacked, self.batch_M, self.layer_ids = fns, is_stacked, batch_M, layer_ids
@@ -263,7 +263,8 @@ class _ZeroBubble:
         matmul (added inside the conds, so that a chunk adds nothing for parts it lacks); what W will
         need goes to the crossing pools."""
         no_writes = self._no_writes()
-        last_writes = [name for name in ("head cross", "g") if name in no_writes and (name != "g" or self.reads_dy)]
+        # the pools only the last chunk's B writes ("g" is one where W reads dy: _plan_pools)
+        last_writes = [name for name in ("head cross", "g") if name in no_writes]
 
         def head_b():
             leaves = jax.tree.leaves(i.p) + self._stored(i, "head") + jax.tree.leaves(i.tokens)
@@ -298,7 +299,6 @@ class _ZeroBubble:
 
         grads = first_or_last_chunk(LAST_CHUNK_SCOPE, i.branch == W_LAST, head_w, lambda: grads)
         return grads, i.loss_sum, i.stats_sum, self.zeros_x, self._no_writes()
-
 
 
 def _b_only(split: SplitBackward, at) -> list[int]:
