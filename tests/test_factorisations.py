@@ -92,8 +92,9 @@ def _verified_elsewhere() -> set[str]:
 
 # Compiled and verified by the modules _verified_elsewhere() reads; checked by the test below.
 ELSEWHERE = ("data=8", "data=4 x tensor=2", "data=2 x tensor=4", "data=2 x expert=4", "data=4 x stage=2",
-             "data=2 x stage=4", "data=2 x tensor=2 x expert=2", "data=2 x tensor=2 x stage=2",
-             "data=2 x expert=2 x stage=2", "tensor=2 x expert=2 x stage=2", "expert=2 x stage=4", "context=8",
+             "data=2 x stage=4", "tensor=2 x stage=4", "tensor=4 x stage=2", "data=2 x tensor=2 x expert=2",
+             "data=2 x tensor=2 x stage=2", "data=2 x expert=2 x stage=2", "tensor=2 x expert=2 x stage=2",
+             "expert=2 x stage=4", "context=8", "data=2 x context=4", "data=4 x context=2", "tensor=2 x context=4",
              "data=2 x tensor=2 x context=2")
 HERE = [sizes for sizes in FACTORISATIONS if _name(sizes) not in ELSEWHERE]
 

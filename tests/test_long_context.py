@@ -20,13 +20,12 @@ TINY = ("model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=6
 FLASH = ("model.attention=flash", "model.flash_block_q=8", "model.flash_block_kv=16")
 
 # Sequence parallelism on data=4 x tensor=2 runs with GQA, SwiGLU, flash attention and ZeRO-3 (MQA's one
-# key/value head cannot be split over tensor=2, so MQA runs without it).
+# key/value head cannot be split over tensor=2, so MQA runs without it). With pipeline stages it is verified
+# in tests/test_pipeline.py (interleaved on data=2 x tensor=2 x stage=2 with ZeRO-3).
 LAYOUTS = {
     "gqa kv=2, data=2 x tensor=4 (kv replicated)": ("model.n_kv_heads=2", "mesh.data=2", "mesh.tensor=4"),
     "flash 8/16, data=8": (*FLASH, "mesh.data=8"),
     "mqa kv=1, data=4 x tensor=2": ("model.n_kv_heads=1", "mesh.data=4", "mesh.tensor=2"),
-    "sequence, data=2 x tensor=2 x stage=2": ("parallel.sequence=true", "mesh.data=2", "mesh.tensor=2",
-                                              "mesh.stage=2"),
     # swiglu is verified here (and against the independent reference in test_reference.py)
     "gqa kv=2 + swiglu + flash + sequence + zero=3, data=4 x tensor=2": (
         "model.n_kv_heads=2", "model.mlp=swiglu", *FLASH, "parallel.sequence=true", "parallel.zero=3", "mesh.data=4",

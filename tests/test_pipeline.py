@@ -56,10 +56,12 @@ def test_schedule_cli_reports_idle_fraction_and_draws(tmp_path, capsys):
     assert main(["schedule", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"]) == 2
 
 
-# Plain 1F1B over stage and tensor x stage is verified by tests/test_factorisations.py (with experts, by
+# Plain 1F1B over stage is verified by tests/test_factorisations.py (with experts, by
 # tests/test_moe_pipeline.py); here each
 # schedule at the stage and microbatch counts that change its table, and the pipeline composed with the
-# rest (every ZeRO stage, tensor, remat, recompute, bf16), switches that do not interact sharing a run.
+# rest (every ZeRO stage, tensor, sequence parallelism, remat, recompute, bf16), switches that do not
+# interact sharing a run. 1F1B with recompute on tensor=2 x stage=4 and interleaved on tensor=4 x stage=2
+# are also the plain verifies of those factorisations (tests/test_factorisations.py leaves them here).
 # The quick tier keeps the interleaved layout (the 1F1B executor, layers stored out of order); GPipe's
 # executor is compiled there by the test below.
 QUICK_LAYOUTS = [  # 4 layers: a chunk of one layer for each of the 2 x 2 virtual stages
@@ -73,10 +75,10 @@ SLOW_LAYOUTS = [
      "parallel.pipeline.virtual=2", "model.n_layers=8"],
     ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=2", "train.precision=bf16", "train.loss_chunks=4"],
     ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
-     "parallel.pipeline.virtual=2", "parallel.zero=3"],
+     "parallel.pipeline.virtual=2", "parallel.zero=3", "parallel.sequence=true"],
     ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=2bw", "train.steps=4"],
-    ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=8", "parallel.pipeline.recompute=true"],
-    ["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.virtual=2",
+    ["mesh.tensor=2", "mesh.stage=4", "parallel.pipeline.microbatches=8", "parallel.pipeline.recompute=true"],
+    ["mesh.tensor=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.virtual=2",
      "model.n_layers=8", "parallel.pipeline.recompute=true", "train.precision=bf16"],
 ]
 LAYOUTS = ([pytest.param(layout, id=" ".join(layout)) for layout in QUICK_LAYOUTS]
@@ -87,6 +89,8 @@ LAYOUTS = ([pytest.param(layout, id=" ".join(layout)) for layout in QUICK_LAYOUT
 def test_pipelined_layout_matches_single_device(layout, session_for):
     result = verify(session_for("train.steps=3", *SMALL_MODEL, *layout), log=lambda line: None)
     assert result["ok"], result
+    # the layout really runs what it names (the reference never runs sequence parallelism)
+    assert ("sequence" in result["layout"]) == ("parallel.sequence=true" in layout), result["layout"]
 
 
 def test_gpipe_sends_activations_forward_and_their_cotangents_back():
@@ -127,7 +131,7 @@ def test_pipeline_idle_fraction_is_in_the_metrics(session_for):
     from jaxpar.train.loop import train
 
     # the recompute layout verified above (its step comes from the compilation cache)
-    session = session_for(*SMALL_MODEL, "mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=8",
+    session = session_for(*SMALL_MODEL, "mesh.tensor=2", "mesh.stage=4", "parallel.pipeline.microbatches=8",
                           "parallel.pipeline.recompute=true", "train.steps=2", "train.log_every=1",
                           "train.eval_batches=1", "train.sample_tokens=8")
     train(session, progress=False)

@@ -16,11 +16,10 @@ LAYOUTS = {
     "data=8, zero 2, remat full": ["mesh.data=8", "parallel.zero=2", "train.remat=full"],
     "data=8, adafactor, zero 3, remat dots": ["mesh.data=8", "train.optimizer=adafactor", "parallel.zero=3",
                                               "train.remat=dots"],
-    "data=2 x tensor=2 x expert=2, zero 2, grad_accum=2": [
-        "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=2", "train.grad_accum=2"],
+    "data=2 x tensor=2 x expert=2, zero 2, grad_accum=2, learned positions, untied head": [
+        "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=2", "train.grad_accum=2",
+        "model.positions=learned", "model.tie_embeddings=false"],
     "data=4 x tensor=2, remat sqrt, 9 layers": ["mesh.data=4", "mesh.tensor=2", "train.remat=sqrt", "model.n_layers=9"],
-    "data=2 x tensor=2 x expert=2, learned positions, untied head": [
-        "mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "model.positions=learned", "model.tie_embeddings=false"],
 }
 QUICK = ("data=4 x tensor=2, zero 3",)  # the quick tier's verify: tensor parallelism and ZeRO-3 at once
 
