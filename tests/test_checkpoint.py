@@ -21,15 +21,15 @@ pytestmark = pytest.mark.xdist_group("checkpoint_runs")
 @pytest.mark.slow
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, capsys, reference):
     run_dir = tmp_path / "run"
-    code, _ = train_here(capsys, run_dir, "train.steps=20", "checkpoint.every=5")
-    assert code == 0 and checkpoint_steps(run_dir) == [10, 15, 20]  # checkpoint.keep=3
-    code, err = train_here(capsys, run_dir, "train.steps=40", "checkpoint.every=5")
+    code, _ = train_here(capsys, run_dir, "train.steps=12", "checkpoint.every=3")
+    assert code == 0 and checkpoint_steps(run_dir) == [6, 9, 12]  # checkpoint.keep=3
+    code, err = train_here(capsys, run_dir, "train.steps=20", "checkpoint.every=3")
     assert code == 0
-    assert f"jaxpar: resuming from the checkpoint at step 20 in {run_dir / 'checkpoints'}" in err
+    assert f"jaxpar: resuming from the checkpoint at step 12 in {run_dir / 'checkpoints'}" in err
     resumed = metrics(run_dir)
-    assert [r["step"] for r in resumed] == list(range(1, 41))
-    assert resumed[20:] == reference[20:]  # steps 21-40, bit for bit
-    assert resumed == reference
+    assert [r["step"] for r in resumed] == list(range(1, 21))
+    assert resumed[12:] == reference[12:20]  # steps 13-20, bit for bit
+    assert resumed == reference[:20]
 
 
 @pytest.mark.slow
@@ -42,7 +42,7 @@ def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
     original = ["mesh.data=8", "mesh.tensor=1"]
     resharded = ["mesh.data=2", "mesh.tensor=4", "parallel.zero=3"]
     saved = tmp_path / "saved"
-    assert train_here(capsys, saved, "train.steps=10", "checkpoint.every=10", *original)[0] == 0
+    assert train_here(capsys, saved, "train.steps=3", "checkpoint.every=3", *original)[0] == 0
 
     # The restored arrays land directly in the new layout's shardings, with the saved values.
     def restore(layout):
@@ -55,7 +55,7 @@ def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
 
     before, _ = restore(original)
     after, shardings = restore(resharded)
-    assert after.step == before.step == 10
+    assert after.step == before.step == 3
     before_arrays, after_arrays = flat_by_path(before.state), flat_by_path(after.state)
     assert after_arrays.keys() == shardings.keys()
     for key, array in after_arrays.items():
@@ -65,11 +65,11 @@ def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
 
     # Training continues with the same loss as on the original layout.
     other = copy_of(saved, tmp_path / "other")
-    assert train_here(capsys, saved, "train.steps=12", "checkpoint.every=10", *original)[0] == 0
-    code, err = train_here(capsys, other, "train.steps=12", "checkpoint.every=10", *resharded)
-    assert code == 0 and "resuming from the checkpoint at step 10" in err
-    on_original, on_resharded = metrics(saved)[10:], metrics(other)[10:]
-    assert [r["step"] for r in on_resharded] == [11, 12]
+    assert train_here(capsys, saved, "train.steps=5", "checkpoint.every=3", *original)[0] == 0
+    code, err = train_here(capsys, other, "train.steps=5", "checkpoint.every=3", *resharded)
+    assert code == 0 and "resuming from the checkpoint at step 3" in err
+    on_original, on_resharded = metrics(saved)[3:], metrics(other)[3:]
+    assert [r["step"] for r in on_resharded] == [4, 5]
     for a, b in zip(on_original, on_resharded):
         assert abs(b["loss"] - a["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
 

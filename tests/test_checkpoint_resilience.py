@@ -83,7 +83,7 @@ def logged_steps(run_dir: Path) -> int:
 @pytest.mark.slow
 def test_sigkill_at_any_moment_resumes_from_the_newest_complete_checkpoint(tmp_path, reference):
     run_dir = tmp_path / "run"
-    settings = ("train.steps=40", "checkpoint.every=5")
+    settings = ("train.steps=20", "checkpoint.every=5")  # the held save of step 20 is the run's last
 
     # 1. Killed between saves, after step 12 has been logged (the async save of step 10 may be unfinished).
     proc, _ = start_training(run_dir, *settings)
@@ -113,8 +113,8 @@ def test_sigkill_at_any_moment_resumes_from_the_newest_complete_checkpoint(tmp_p
     proc, err_path = start_training(run_dir, *settings)
     assert proc.wait(timeout=TIMEOUT_S) == 0, err_path.read_text()
     assert "resuming from the checkpoint at step 15 " in err_path.read_text()
-    assert metrics(run_dir) == reference
-    assert checkpoint_steps(run_dir) == [30, 35, 40] and partial_saves(run_dir) == []
+    assert metrics(run_dir) == reference[:20]
+    assert checkpoint_steps(run_dir) == [10, 15, 20] and partial_saves(run_dir) == []
 
 
 @pytest.mark.slow
