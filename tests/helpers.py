@@ -68,12 +68,24 @@ def compile_level_flag(level: int) -> str:
 TESTS_COMPILE_LEVEL = 0  # the tests' level: conftest.py sets it and says why
 
 
+def _at_level_1(command: list[str]) -> subprocess.CompletedProcess:
+    flags = os.environ["XLA_FLAGS"].replace(compile_level_flag(TESTS_COMPILE_LEVEL), compile_level_flag(1))
+    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": flags},
+                          timeout=600)
+
+
 def run_jaxpar_at_level_1(*args: str) -> subprocess.CompletedProcess:
     """`python -m jaxpar ...` with XLA's backend optimisation level 1 instead of the tests' level 0
     (conftest.py): for runs of tens of steps, whose time goes into the steps, not the compiles."""
-    flags = os.environ["XLA_FLAGS"].replace(compile_level_flag(TESTS_COMPILE_LEVEL), compile_level_flag(1))
-    return subprocess.run([sys.executable, "-m", "jaxpar", *args], capture_output=True, text=True,
-                          env={**os.environ, "XLA_FLAGS": flags}, timeout=600)
+    return _at_level_1([sys.executable, "-m", "jaxpar", *args])
+
+
+def run_jaxpar_commands_at_level_1(*commands: list[str]) -> subprocess.CompletedProcess:
+    """Several `jaxpar` commands one after the other in one process at level 1, like
+    run_jaxpar_at_level_1: jax is imported once. The exit code is the largest of theirs."""
+    script = ("import json, sys\nfrom jaxpar.cli import main\n"
+              "sys.exit(max([main(args) for args in json.loads(sys.argv[1])]))")
+    return _at_level_1([sys.executable, "-c", script, json.dumps(commands)])
 
 
 def train_at_level_1(run_dir: Path, *overrides: str) -> tuple[int, str]:
