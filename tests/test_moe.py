@@ -69,60 +69,32 @@ def test_expert_choice_fills_every_expert_exactly_and_counts_the_tokens_it_misse
     assert len(metrics["moe_expert_tokens"]) == 8
 
 
+# Layouts that failed verify on another CPU before the reference replayed the layout's routing (near-ties
+# flipped): Switch through 1F1B, Expert Choice with accumulation beside tensor x expert, Expert Choice
+# through 1F1B in bf16 (its MoE weights judged too now), and top-k with bf16 gradient reductions.
+REVIEWED_LAYOUTS = {
+    "switch d2 e2 s2 1f1b": ("model.moe.router=switch", "model.moe.every=1", "mesh.data=2", "mesh.expert=2", "mesh.stage=2",
+                             "parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=4"),
+    "expert_choice d2 t2 e2 accum 2": ("model.moe.router=expert_choice", "mesh.data=2", "mesh.tensor=2",
+                                       "mesh.expert=2", "train.grad_accum=2"),
+    "expert_choice d2 e2 s2 1f1b bf16": ("model.moe.router=expert_choice", "model.moe.every=1", "mesh.data=2",
+                                         "mesh.expert=2", "mesh.stage=2", "parallel.pipeline.schedule=1f1b",
+                                         "parallel.pipeline.microbatches=4", "train.precision=bf16"),
+    "topk d4 e2 bf16 reductions accum 2 flash packed": (
+        "model.moe.router=topk", "mesh.data=4", "mesh.expert=2", "parallel.grad_reduce_dtype=bf16",
+        "train.grad_accum=2", "model.attention=flash", "data.packing=pack"),
+}
+
+
 @pytest.mark.slow
-def test_bf16_verify_reports_routing_changes_and_judges_the_other_weights(session_for):
-    """bf16 activations route some tokens differently from the fp32 reference: verify counts
-    them, reports the MoE weights' error apart and judges every other weight as usual."""
-    result = verify(session_for("train.steps=3", *MOE, *SMALL, "model.moe.router=topk", "mesh.data=2",
-                                "mesh.expert=2", "mesh.tensor=2", "train.precision=bf16"), log=lambda line: None)
+@pytest.mark.parametrize("name", REVIEWED_LAYOUTS)
+def test_replayed_routing_verifies_with_its_ties_counted(name, session_for):
+    """Every weight judged at the policy's tolerance (the MoE layers' too, in bf16), no flip beyond the
+    tie tolerance; ties are counted, however many this CPU's arithmetic makes."""
+    result = verify(session_for("train.steps=3", *MOE, *SMALL, *REVIEWED_LAYOUTS[name]), log=lambda line: None)
     assert result["ok"], result
-    assert result["routing_changes"] >= 0 and result["param_max_rel_err"] <= 1e-2
-    if result["routing_changes"]:
-        assert "moe_param_max_rel_err" in result
-
-
-# Switch through a 1F1B pipeline (the layout a near-tie once failed on another CPU), top-1 beside tensor.
-NEAR_TIE_LAYOUTS = [("switch", ("mesh.data=2", "mesh.expert=2", "mesh.stage=2", "parallel.pipeline.schedule=1f1b",
-                                "parallel.pipeline.microbatches=4")),
-                    ("topk", ("mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "parallel.zero=3"))]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("router, layout", NEAR_TIE_LAYOUTS, ids=[f"{r} {' '.join(o)}" for r, o in NEAR_TIE_LAYOUTS])
-def test_a_near_tie_is_routed_the_same_way_on_every_layout(router, layout, session_for):
-    """Expert 1's router weights are expert 0's, each moved by one ulp up or down at random: the two
-    experts score every token within fp32 noise of each other, noise that each layout's reduction
-    order draws differently. Every token that would choose between them goes to expert 0, on the
-    layout and on one device alike, token by token."""
-    import jax
-    import numpy as np
-
-    from jaxpar.session import on_devices
-    from jaxpar.train.verify import reference_config, rerouted_tokens
-
-    session = session_for("model.moe.experts=4", "model.moe.every=1", f"model.moe.router={router}",
-                          "model.moe.top_k=1", "model.moe.noise=false", *SMALL, *layout)
-    trainer = Trainer(session, trace_routing=True)
-    reference = Trainer(on_devices(reference_config(session.cfg), jax.local_devices()[:1]), trace_routing=True)
-    state = jax.device_get(trainer.init())
-    rng = np.random.default_rng(0)
-
-    def near_tie(path, leaf):
-        if "w_router" not in jax.tree_util.keystr(path):
-            return leaf
-        leaf = np.array(leaf)
-        column = leaf[..., 0]
-        leaf[..., 1] = np.nextafter(column, np.where(rng.random(column.shape) < 0.5, -np.inf, np.inf))
-        return leaf
-
-    state = jax.tree_util.tree_map_with_path(near_tie, state)
-    batch = session.train_data.batch(0)
-    _, metrics = trainer.step(trainer.put_state(state), trainer.put_batch(batch))
-    _, ref_metrics = reference.step(reference.put_state(trainer.to_model_order(state)), reference.put_batch(batch))
-    metrics, ref_metrics = jax.device_get((metrics, ref_metrics))
-    assert rerouted_tokens(metrics, ref_metrics, session.cfg.model.n_layers) == 0
-    for counts in (metrics["moe_expert_tokens"], ref_metrics["moe_expert_tokens"]):
-        assert counts[1] == 0 and counts[0] > 0, counts  # the tie goes to the lower-numbered expert
+    assert result["routing_changes"]["flips"] == 0 and result["routing_changes"]["ties"] >= 0
+    assert all(flip["margin"] <= result["tie_tolerance"] for flip in result["worst_margins"]), result
 
 
 @pytest.mark.slow
@@ -169,9 +141,13 @@ MODERN_LAYOUTS = [("topk", ("mesh.data=2", "mesh.tensor=2", "mesh.expert=2", "pa
 @pytest.mark.slow
 @pytest.mark.parametrize("router, layout", MODERN_LAYOUTS, ids=[f"{r} {' '.join(o)}" for r, o in MODERN_LAYOUTS])
 def test_modern_experts_match_single_device(router, layout, session_for):
+    """Shared experts under ZeRO-3 beside tensor x expert (the layout that failed verify on an AMD EPYC
+    with AVX-512 BF16, 8 routing changes) compute what one device computes: on the same routing, the
+    reference replaying it, every weight agrees at fp32's 1e-4. What failed there were near-ties."""
     result = verify(session_for("train.steps=3", *MODERN, f"model.moe.router={router}", *SMALL, *layout),
                     log=lambda line: None)
-    assert result["ok"] and result["routing_changes"] == 0, result
+    assert result["ok"] and result["routing_changes"]["flips"] == 0, result
+    assert result["param_max_rel_err"] <= 1e-4
 
 
 def test_dropless_drops_nothing_and_the_bias_moves_against_each_experts_load():

@@ -1,20 +1,22 @@
 """Each router's vectorised dispatch/combine against a per-token Python loop that shares none of its code.
 
 The loops follow the routers' definitions one token (or one expert) at a time:
-- top-k with the noise off: each token's k best experts by probability rounded to bfloat16, the
-  lower expert index first among equals, gates the softmax over those k logits; slots are filled
+- top-k with the noise off: each token's k best experts by probability, the lower expert index
+  first among equals, gates the softmax over those k logits; slots are filled
   with every token's first choice in token order, then every token's second choice, and an
   assignment that finds its expert full is dropped;
-- Switch: each token's arg-max expert by probability rounded to bfloat16 (the lower index among
-  equals), gate its exact softmax probability; slots in token order, overflow dropped;
-- Expert Choice: each expert takes the C tokens with the highest probability rounded to
-  bfloat16, the lower token index first among equals; gates are the exact probabilities.
+- Switch: each token's arg-max expert by probability (the lower index among equals), gate its
+  softmax probability; slots in token order, overflow dropped;
+- Expert Choice: each expert takes the C tokens with the highest probability, the lower token
+  index first among equals; gates are the probabilities.
+Ties are exact (tokens with bit-identical logits): a near-tie, scores an ulp apart, may rank one way
+here and the other way in XLA's softmax, and verify judges such flips by their margin instead
+(tests/test_routing_replay.py).
 """
 
 import math
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -26,10 +28,6 @@ G, S, E = 3, 16, 4  # groups, tokens per group, experts
 def _softmax(row: np.ndarray) -> np.ndarray:
     shifted = np.exp(row - row.max())
     return shifted / shifted.sum()
-
-
-def _bf16(values: np.ndarray) -> np.ndarray:
-    return values.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def _capacity(assignments_per_group: int, factor: float) -> int:
@@ -58,7 +56,7 @@ def topk_loop(logits: np.ndarray, k: int, C: int, score: str = "softmax", renorm
         choices = []
         for row in group:
             scores = 1 / (1 + np.exp(-row)) if score == "sigmoid" else _softmax(row)
-            keys = _bf16(scores if bias is None else scores + bias)
+            keys = scores if bias is None else scores + bias
             best = sorted(range(E), key=lambda e: (-keys[e], e))[:k]
             if score == "softmax" and renormalize:
                 gates = _softmax(row[best])
@@ -77,7 +75,7 @@ def switch_loop(logits: np.ndarray, C: int):
         choices = []
         for row in group:
             probs = _softmax(row)
-            expert = int(np.argmax(_bf16(probs)))  # the first of equal maxima
+            expert = int(np.argmax(probs))  # the first of equal maxima
             choices.append([(expert, probs[expert])])
         d, c, n = _fill_in_order(choices, C)
         dispatch.append(d), combine.append(c)
@@ -89,7 +87,7 @@ def expert_choice_loop(logits: np.ndarray, C: int):
     dispatch, combine = np.zeros((G, S, E, C)), np.zeros((G, S, E, C))
     for g, group in enumerate(logits):
         probs = np.stack([_softmax(row) for row in group])  # (S, E)
-        keys = _bf16(probs)
+        keys = probs
         for e in range(E):
             ranked = sorted(range(S), key=lambda s: (-keys[s, e], s))
             for slot, s in enumerate(ranked[:C]):
@@ -99,16 +97,12 @@ def expert_choice_loop(logits: np.ndarray, C: int):
 
 
 def _logits(seed: int, ties: str | None) -> np.ndarray:
-    """Random router logits; with ties, the second half of each group repeats the first, as
-    tokens with equal contexts do: 'exact' bit for bit, 'ulp' one ulp up (another layout's sums);
-    'experts': expert 1 scores each token one ulp above expert 0."""
+    """Random router logits; with ties 'exact', the second half of each group repeats the first bit for
+    bit, as tokens with equal contexts do, and expert 1 scores every token as expert 0 does."""
     logits = np.random.default_rng(seed).normal(size=(G, S, E)).astype(np.float32)
     if ties == "exact":
         logits[:, S // 2:] = logits[:, : S // 2]
-    elif ties == "ulp":
-        logits[:, S // 2:] = np.nextafter(logits[:, : S // 2], np.float32(np.inf))
-    elif ties == "experts":
-        logits[..., 1] = np.nextafter(logits[..., 0], np.float32(np.inf))
+        logits[..., 1] = logits[..., 0]
     return logits
 
 
@@ -117,13 +111,13 @@ def _close(vectorised, looped):
     np.testing.assert_allclose(np.asarray(vectorised[1]), looped[1], rtol=1e-6, atol=1e-7)  # gates
 
 
-@pytest.mark.parametrize("seed, ties", [(0, None), (1, "exact"), (4, "experts")])
+@pytest.mark.parametrize("seed, ties", [(0, None), (1, "exact"), (4, None)])
 @pytest.mark.parametrize("k, factor", [(1, 1.0), (2, 1.25), (2, 0.5)])
 def test_topk_without_noise_matches_the_loop(seed, ties, k, factor):
     logits = _logits(seed, ties)
     C = _capacity(S * k, factor)
     assert routers.capacity("topk", S, E, k, factor) == C
-    dispatch, combine, _, dropped, _ = routers.noisy_topk(jnp.asarray(logits), None, None, k, C)
+    dispatch, combine, _, dropped, *_ = routers.noisy_topk(jnp.asarray(logits), None, None, k, C)
     looped = topk_loop(logits, k, C)
     _close((dispatch, combine), looped)
     assert float(dropped) == pytest.approx(looped[2], abs=1e-6)
@@ -146,13 +140,13 @@ def test_topk_scores_weights_and_bias_match_the_loop(score, renormalize, biased)
         assert not np.array_equal(looped[0], topk_loop(logits, 2, C, score, renormalize)[0])
 
 
-@pytest.mark.parametrize("seed, ties", [(0, None), (1, "exact"), (4, "experts")])
+@pytest.mark.parametrize("seed, ties", [(0, None), (1, "exact"), (4, None)])
 @pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
 def test_switch_matches_the_loop_with_capacity_and_drop_order(seed, ties, factor):
     logits = _logits(seed, ties)
     C = _capacity(S, factor)
     assert routers.capacity("switch", S, E, 1, factor) == C
-    dispatch, combine, _, dropped, _ = routers.switch(jnp.asarray(logits), C)
+    dispatch, combine, _, dropped, *_ = routers.switch(jnp.asarray(logits), C)
     looped = switch_loop(logits, C)
     _close((dispatch, combine), looped)
     assert float(dropped) == pytest.approx(looped[2], abs=1e-6)
@@ -160,50 +154,11 @@ def test_switch_matches_the_loop_with_capacity_and_drop_order(seed, ties, factor
         assert looped[2] > 0  # the case exercises dropping
 
 
-@pytest.mark.parametrize("seed, ties", [(0, None), (1, "exact"), (2, "ulp"), (3, "ulp")])
+@pytest.mark.parametrize("seed, ties", [(0, None), (1, "exact"), (2, None)])
 @pytest.mark.parametrize("factor", [0.5, 1.25])
 def test_expert_choice_matches_the_loop(seed, ties, factor):
     logits = _logits(seed, ties)
     C = _capacity(S, factor)
-    dispatch, combine, _, dropped, _ = routers.expert_choice(jnp.asarray(logits), C)
+    dispatch, combine, _, dropped, *_ = routers.expert_choice(jnp.asarray(logits), C)
     _close((dispatch, combine), expert_choice_loop(logits, C))
     assert dropped is None  # Expert Choice never overflows; the unrouted share is measured instead
-
-
-ROUTERS = {
-    "topk": lambda logits, C: routers.noisy_topk(logits, None, None, 2, C),
-    "switch": routers.switch,
-    "expert_choice": routers.expert_choice,
-}
-
-
-@pytest.mark.parametrize("router", ROUTERS)
-def test_ulp_noise_routes_near_ties_alike(router):
-    """Every logit a few ulps up or down at random, as another layout's reduction order leaves them:
-    tokens that tie with each other (Expert Choice) or whose experts tie (top-k, Switch) are routed
-    exactly as before. Ranked on the exact fp32 values, the same noise reroutes some of them."""
-    rng = np.random.default_rng(5)
-    logits = rng.normal(size=(G, S, E)).astype(np.float32)
-    logits[..., 1] = logits[..., 0]
-    logits[:, S // 2:] = logits[:, : S // 2]
-    noisy = (logits * (1 + np.where(rng.random(logits.shape) < 0.5, -1, 1) * 2.0 ** -21)).astype(np.float32)
-    C = _capacity(S, 1.0)
-    here, there = (np.asarray(ROUTERS[router](jnp.asarray(x), C)[0]) for x in (logits, noisy))
-    np.testing.assert_array_equal(here, there)
-    probs, noisy_probs = (np.stack([[_softmax(row) for row in group] for group in x]) for x in (logits, noisy))
-    if router == "expert_choice":  # each expert's exact ranking of the tokens
-        assert (np.argsort(-probs, axis=1, kind="stable") != np.argsort(-noisy_probs, axis=1, kind="stable")).any()
-    else:  # each token's exact ranking of the experts
-        assert (np.argmax(probs, axis=-1) != np.argmax(noisy_probs, axis=-1)).any()
-
-
-@pytest.mark.parametrize("shape", [(G, S, E), (16, 256, 8)])
-def test_every_selection_key_is_a_bfloat16_value_in_a_compiled_router(shape):
-    """Rounded inside the compiled program too: XLA:CPU fuses the softmax of a (16, 256, 8) batch so
-    that a cast to bfloat16 and back is dropped (the keys came out exact fp32 and ranked near-ties
-    by ulp noise); every key is a bfloat16 value however the program is fused."""
-    import jax
-
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=shape).astype(np.float32))
-    keys = np.asarray(jax.jit(lambda x: routers.selection_key(jax.nn.softmax(x, axis=-1)))(logits))
-    assert np.array_equal(keys, keys.astype(ml_dtypes.bfloat16).astype(np.float32))

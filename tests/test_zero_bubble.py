@@ -163,8 +163,7 @@ LAYOUTS = {
                                   for name in LAYOUTS])
 def test_zero_bubble_layout_matches_single_device(name, session_for):
     result = verify(session_for("train.steps=2", *LAYOUTS[name]), log=lambda line: None)
-    assert result["ok"], result
-    assert result.get("routing_changes", 0) == 0
+    assert result["ok"], result  # an MoE layout's flips beyond the tie tolerance fail it
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from jaxpar.config import ModelConfig
 from jaxpar.model.axes import constrain, expert_all_to_all, expert_gather, expert_shard, param, zeros_param
 from jaxpar.model.dropless import dropless_experts
 from jaxpar.model.mlp import MLP
+from jaxpar.model.routing_trace import RoutingTrace
 
 
 class MoE(nnx.Module):
@@ -47,10 +48,11 @@ class MoE(nnx.Module):
         # Bias balancing: added to the scores for choosing experts alone; the step moves it (jaxpar.train.step).
         self.router_bias = zeros_param((E,), (None,)) if moe.balance == "bias" else None
 
-    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, places_BR: jax.Array | None = None):
+    def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, routing: RoutingTrace | None = None):
         """noise_B: a PRNG key per batch row for noisy top-k (training), None for no noise.
-        places_BR: each row's one-hot place among the R rows of the whole batch, when the caller
-        traces routing token by token (verify); the stats then hold `routing_codes` (R, L)."""
+        routing: when the caller traces routing token by token (verify), the stats then hold the
+        decisions as `routing_codes` (U, R, L, E), and where the trace replays decisions, the router's
+        own `routing_flips` and `routing_margins` (U, R, L) (jaxpar.model.routing_trace)."""
         if self.group_size <= 0:
             raise ValueError("model.moe.group_size=0 (automatic) must be resolved for the mesh before the model "
                              "runs: see jaxpar.validation.with_derived")
@@ -64,10 +66,11 @@ class MoE(nnx.Module):
         logits_GNE = jnp.einsum("GND,DE->GNE", x32_GND, self.w_router[...].astype(jnp.float32))
         E = logits_GNE.shape[-1]
         C = routers.capacity(self.router, N, E, self.top_k, self.capacity_factor)
+        replay_GNE = None if routing is None else routing.replayed(G)
         if self.router == "switch":
-            routed = routers.switch(logits_GNE, C)
+            routed = routers.switch(logits_GNE, C, replay_GNE)
         elif self.router == "expert_choice":
-            routed = routers.expert_choice(logits_GNE, C)
+            routed = routers.expert_choice(logits_GNE, C, replay_GNE)
         else:
             noise_GNE = noise_scale_GNE = None
             if self.noise and noise_B is not None:
@@ -77,9 +80,9 @@ class MoE(nnx.Module):
                 noise_scale_GNE = jnp.einsum("GND,DE->GNE", x32_GND, self.w_noise[...].astype(jnp.float32))
             bias_E = None if self.router_bias is None else self.router_bias[...].astype(jnp.float32)
             choices = routers.topk_choices(logits_GNE, noise_scale_GNE, noise_GNE, self.top_k, self.score,
-                                           self.renormalize, bias_E)
+                                           self.renormalize, bias_E, replay_GNE)
             if self.router == "dropless":
-                return self._dropless(x_BLD, x_GND, logits_GNE, choices, places_BR)
+                return self._dropless(x_BLD, x_GND, logits_GNE, choices, routing)
             routed = routers.into_slots(choices, E, C)
         dispatch, combine, balance, dropped = routed.dispatch, routed.combine, routed.balance, routed.dropped
         if self.routed_scale != 1.0:
@@ -94,12 +97,13 @@ class MoE(nnx.Module):
         tokens_E = jnp.sum(dispatch, axis=(0, 1, 3))
         # The share of tokens no expert took (the residual alone carries them), from the dispatch itself.
         unrouted = jnp.mean((jnp.sum(dispatch, axis=(2, 3)) == 0).astype(jnp.float32))
-        stats = self._stats(balance, logits_GNE, unrouted, tokens_E, routed.chosen_E, dispatch, places_BR, L)
+        stats = self._stats(balance, logits_GNE, unrouted, tokens_E, routed.chosen_E, routing, routed.codes_GNE,
+                            routed.flips)
         if dropped is not None:
             stats["dropped"] = dropped
         return self._with_shared(y_GND, x_BLD), stats
 
-    def _dropless(self, x_BLD, x_GND, logits_GNE, choices: routers.Choices, places_BR):
+    def _dropless(self, x_BLD, x_GND, logits_GNE, choices: routers.Choices, routing: RoutingTrace | None):
         """Every assignment computed (jaxpar.model.dropless): no capacity, nothing dropped."""
         G, N, D = x_GND.shape
         x_TD, experts_TK, gates_TK = (expert_gather(a.reshape(G * N, *a.shape[2:]), inverse=False) for a in
@@ -112,15 +116,21 @@ class MoE(nnx.Module):
         taken_GNE = jnp.sum(chosen_GNKE, axis=2)
         importance_GE = jnp.sum(chosen_GNKE * choices.gates_GNK[..., None], axis=(1, 2))
         unrouted = jnp.mean((jnp.sum(taken_GNE, axis=-1) == 0).astype(jnp.float32))
+        codes_GNE = routers.ranked_codes(choices.experts_GNK, logits_GNE.shape[-1])
         stats = self._stats(choices.balance(importance_GE), logits_GNE, unrouted, choices.chosen_E, choices.chosen_E,
-                            taken_GNE[..., None], places_BR, x_BLD.shape[1])
+                            routing, codes_GNE, choices.flips)
         return self._with_shared(y_TD.reshape(G, N, D), x_BLD), stats
 
-    def _stats(self, balance, logits_GNE, unrouted, tokens_E, chosen_E, dispatch_GNEC, places_BR, L) -> dict:
+    def _stats(self, balance, logits_GNE, unrouted, tokens_E, chosen_E, routing: RoutingTrace | None,
+               codes_GNE: jax.Array, flips: routers.Flips | None) -> dict:
+        """The layer's routing statistics; traced (verify), also its decision's codes and flips."""
         stats = {"aux": balance, "z": routers.z_loss(logits_GNE), "unrouted": unrouted, "expert_tokens": tokens_E,
                  "max_load": jnp.max(chosen_E) / jnp.maximum(jnp.mean(chosen_E), 1e-9)}
-        if places_BR is not None:
-            stats["routing_codes"] = routing_codes(dispatch_GNEC, places_BR, L)
+        if routing is not None:
+            stats["routing_codes"] = routing.place(codes_GNE)
+            if flips is not None:
+                stats["routing_flips"] = routing.place(flips.flipped_GN)
+                stats["routing_margins"] = routing.place(flips.margin_GN)
         if self.router_bias is not None:
             stats["bias_term"] = bias_balance_term(self.router_bias[...], chosen_E)
         return stats
@@ -136,19 +146,6 @@ class MoE(nnx.Module):
             w = self.w_gate_up[...]
             return jax.nn.silu(matmul(w[:, :, 0])) * matmul(w[:, :, 1])
         return jax.nn.gelu(matmul(self.w_up[...]))
-
-def routing_codes(dispatch_GNEC: jax.Array, places_BR: jax.Array, L: int) -> jax.Array:
-    """A small integer per token of the whole batch (R rows x L positions) that names the set of
-    experts the token went to (12 bits of a multiplicative hash of its expert bitmask, plus 1), at
-    the token's place and 0 elsewhere. Codes add up exactly over layers, microbatches and devices
-    (sums stay far below 2^24), so two runs routed a token alike when its summed codes agree."""
-    taken_GNE = jnp.sum(dispatch_GNEC, axis=-1) > 0
-    E = taken_GNE.shape[-1]
-    mask_GN = jnp.sum(taken_GNE.astype(jnp.uint32) << jnp.arange(E, dtype=jnp.uint32), axis=-1)
-    code_GN = ((mask_GN * jnp.uint32(2654435761)) >> 20) + 1
-    code_BL = code_GN.reshape(places_BR.shape[0], L).astype(jnp.float32)
-    return jnp.einsum("BR,BL->RL", places_BR, code_BL, precision=jax.lax.Precision.HIGHEST)
-
 
 def bias_balance_term(bias_E: jax.Array, chosen_E: jax.Array) -> jax.Array:
     """Zero, whose gradient with respect to the bias is each expert's load above the mean: summed

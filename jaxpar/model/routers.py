@@ -4,9 +4,14 @@ Every router maps router logits (G groups, N tokens, E experts) to a `Routed`:
   dispatch (G, N, E, C): 1 where token n fills slot c of expert e,
   combine  (G, N, E, C): dispatch times the token's gate weight,
 the balance loss, the share of assignments dropped for lack of capacity (None for Expert
-Choice, which never overflows), and each expert's count of assignments chosen before any was
-dropped. Balance losses are computed per routing group and averaged, so they do not depend on
-how groups are spread over devices.
+Choice, which never overflows), each expert's count of assignments chosen before any was
+dropped, and the decision as codes (jaxpar.model.routing_trace). Balance losses are computed per
+routing group and averaged, so they do not depend on how groups are spread over devices.
+
+Routers rank by the exact fp32 scores, as the open checkpoints' own code does. Given `replay_GNE`
+(decision codes another run made: verify's reference replaying its layout), a router takes those
+decisions instead of its own, and reports in `Flips` where its own would have differed and by how
+much its scores preferred its own choice (the margin).
 Shape legend: G groups, N tokens per group, E experts, C capacity (slots per expert per group), K top-k.
 """
 
@@ -20,12 +25,22 @@ import jax.numpy as jnp
 from jax.scipy.stats import norm
 
 
+class Flips(NamedTuple):
+    """Where a replayed decision differs from the router's own (flipped_GN), and the margin there: the
+    gap between the scores of the router's choice and the replayed one, relative to the larger (0
+    elsewhere). A near-tie flips by an ulp or so; a bug, by far more."""
+    flipped_GN: jax.Array
+    margin_GN: jax.Array
+
+
 class Routed(NamedTuple):
     dispatch: jax.Array  # (G, N, E, C)
     combine: jax.Array  # (G, N, E, C)
     balance: jax.Array  # the auxiliary balance loss (0 for Expert Choice)
     dropped: jax.Array | None  # the share of assignments past capacity (None: Expert Choice)
     chosen_E: jax.Array  # assignments each expert was chosen for, before capacity dropped any
+    codes_GNE: jax.Array  # the decision (jaxpar.model.routing_trace)
+    flips: Flips | None = None  # replayed: where the router's own decision differs (else None)
 
 
 def capacity(router: str, group_size: int, experts: int, top_k: int, capacity_factor: float) -> int:
@@ -40,12 +55,14 @@ def _positions_in_expert(mask_GNE: jax.Array, already_G1E: jax.Array) -> jax.Arr
 
 
 def _dispatch_from_choices(choices_GNK, gates_GNK, E: int, C: int):
-    """Fill expert slots choice by choice (all first choices before second choices), dropping overflow."""
+    """Fill expert slots choice by choice (all first choices before second choices), dropping overflow:
+    (dispatch, combine, the dropped share, the decision's codes)."""
     G, N, K = choices_GNK.shape
     dispatch = jnp.zeros((G, N, E, C), jnp.float32)
     combine = jnp.zeros((G, N, E, C), jnp.float32)
     filled_G1E = jnp.zeros((G, 1, E), jnp.float32)
     kept = jnp.zeros((), jnp.float32)
+    codes_GNE = jnp.zeros((G, N, E), jnp.float32)
     for k in range(K):
         mask_GNE = jax.nn.one_hot(choices_GNK[..., k], E, dtype=jnp.float32)
         position_GNE = _positions_in_expert(mask_GNE, filled_G1E)
@@ -55,8 +72,47 @@ def _dispatch_from_choices(choices_GNK, gates_GNK, E: int, C: int):
         combine = combine + slot_GNEC * gates_GNK[..., k, None, None]
         filled_G1E = filled_G1E + jnp.sum(mask_GNE, axis=1, keepdims=True)
         kept = kept + jnp.sum(mask_GNE)
+        chosen_GNE = jax.nn.one_hot(choices_GNK[..., k], E, dtype=jnp.float32)
+        codes_GNE = codes_GNE + (k + 1) * (2 * mask_GNE - chosen_GNE)  # k + 1 kept, -(k + 1) dropped
     dropped = 1.0 - kept / (G * N * K)
-    return dispatch, combine, dropped
+    return dispatch, combine, dropped, codes_GNE
+
+
+def ranked_codes(choices_GNK: jax.Array, E: int) -> jax.Array:
+    """The codes of choices that are all kept (dropless): k + 1 at the k-th choice's expert."""
+    ranks_K = jnp.arange(1, choices_GNK.shape[-1] + 1, dtype=jnp.float32)
+    return jnp.einsum("GNKE,K->GNE", jax.nn.one_hot(choices_GNK, E, dtype=jnp.float32), ranks_K)
+
+
+def replayed_choices(codes_GNE: jax.Array, k: int) -> jax.Array:
+    """The k ordered choices (G, N, k) that decision codes name."""
+    ranks_GNE = jnp.abs(jnp.rint(codes_GNE)).astype(jnp.int32)
+    return jnp.stack([jnp.argmax(ranks_GNE == j + 1, axis=-1) for j in range(k)], axis=-1)
+
+
+def _relative_gap(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.abs(a - b) / jnp.maximum(jnp.maximum(jnp.abs(a), jnp.abs(b)), 1e-30)
+
+
+def ranked_flips(key_GNE: jax.Array, own_GNK: jax.Array, taken_GNK: jax.Array) -> Flips:
+    """Flips of an ordered per-token choice (top-k, Switch): position by position, the relative gap
+    between the scores of the expert the router ranks there and the expert replayed there."""
+    own, taken = (jnp.take_along_axis(key_GNE, c, axis=-1) for c in (own_GNK, taken_GNK))
+    flipped_GN = jnp.any(own_GNK != taken_GNK, axis=-1)
+    return Flips(flipped_GN, jnp.where(flipped_GN, jnp.max(_relative_gap(own, taken), axis=-1), 0.0))
+
+
+def taken_flips(key_GEN: jax.Array, own_GEC: jax.Array, taken_GEC: jax.Array) -> Flips:
+    """Flips of each expert's choice of C tokens (Expert Choice): a token in one set and not the other
+    flips, and its margin is its expert's largest relative gap between such a token's score and the
+    expert's C-th best score."""
+    N = key_GEN.shape[-1]
+    in_own, in_taken = (jnp.sum(jax.nn.one_hot(t, N, dtype=jnp.int32), axis=-2) > 0 for t in (own_GEC, taken_GEC))
+    differs_GEN = in_own != in_taken
+    threshold_GE1 = jnp.min(jnp.take_along_axis(key_GEN, own_GEC, axis=-1), axis=-1, keepdims=True)
+    margin_GE = jnp.max(jnp.where(differs_GEN, _relative_gap(key_GEN, threshold_GE1), 0.0), axis=-1)
+    margin_GN = jnp.max(jnp.where(differs_GEN, margin_GE[..., None], 0.0), axis=1)
+    return Flips(jnp.any(differs_GEN, axis=1), margin_GN)
 
 
 def _cv_squared(x_GE: jax.Array) -> jax.Array:
@@ -64,18 +120,20 @@ def _cv_squared(x_GE: jax.Array) -> jax.Array:
     return jnp.mean(jnp.var(x_GE, axis=-1) / (jnp.mean(x_GE, axis=-1) ** 2 + 1e-10))
 
 
-def switch(logits_GNE: jax.Array, C: int):
+def switch(logits_GNE: jax.Array, C: int, replay_GNE: jax.Array | None = None):
     """Switch Transformer top-1: capacity C per expert, overflow dropped (the residual carries it).
     Load-balancing loss E * sum_i f_i * P_i (f: fraction routed, P: mean router probability)."""
     E = logits_GNE.shape[-1]
     probs_GNE = jax.nn.softmax(logits_GNE, axis=-1)
-    choice_GN1 = jnp.argmax(selection_key(probs_GNE), axis=-1)[..., None]
+    own_GN1 = jnp.argmax(probs_GNE, axis=-1)[..., None]
+    choice_GN1 = own_GN1 if replay_GNE is None else replayed_choices(replay_GNE, 1)
     gate_GN1 = jnp.take_along_axis(probs_GNE, choice_GN1, axis=-1)
-    dispatch, combine, dropped = _dispatch_from_choices(choice_GN1, gate_GN1, E, C)
+    dispatch, combine, dropped, codes_GNE = _dispatch_from_choices(choice_GN1, gate_GN1, E, C)
     chosen_GNE = jax.nn.one_hot(choice_GN1[..., 0], E)
     fraction_GE = jnp.mean(chosen_GNE, axis=1)
     balance = E * jnp.mean(jnp.sum(fraction_GE * jnp.mean(probs_GNE, axis=1), axis=-1))
-    return Routed(dispatch, combine, balance, dropped, jnp.sum(chosen_GNE, axis=(0, 1)))
+    flips = None if replay_GNE is None else ranked_flips(probs_GNE, own_GN1, choice_GN1)
+    return Routed(dispatch, combine, balance, dropped, jnp.sum(chosen_GNE, axis=(0, 1)), codes_GNE, flips)
 
 
 class Choices(NamedTuple):
@@ -84,6 +142,7 @@ class Choices(NamedTuple):
     gates_GNK: jax.Array
     load_GE: jax.Array  # the balance loss's load: the smooth estimate under noise, else the counts
     chosen_E: jax.Array
+    flips: Flips | None = None  # replayed: where the router's own choices differ (else None)
 
     def balance(self, importance_GE: jax.Array) -> jax.Array:
         """The auxiliary loss: CV^2 of importance (the gates each expert received) plus CV^2 of load."""
@@ -91,7 +150,8 @@ class Choices(NamedTuple):
 
 
 def topk_choices(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_GNE: jax.Array | None,
-                 k: int, score: str = "softmax", renormalize: bool = True, bias_E: jax.Array | None = None) -> Choices:
+                 k: int, score: str = "softmax", renormalize: bool = True, bias_E: jax.Array | None = None,
+                 replay_GNE: jax.Array | None = None) -> Choices:
     """Noisy top-k gating (Shazeer et al. 2017): H = logits + N(0,1) * softplus(noise logits); keep
     the top k of H, softmax over them. Auxiliary loss: CV^2 of importance (sum of gates) plus
     CV^2 of load (the smooth probability of each expert being in the top k).
@@ -99,6 +159,7 @@ def topk_choices(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise
     As open checkpoints define it: scores are the softmax (or the sigmoid, DeepSeek-V3) of H; the
     gates are the chosen experts' scores, scaled to sum to 1 when `renormalize` (Mixtral,
     Qwen3-MoE). bias_E (bias balancing) is added to the scores for choosing alone, not to the gates.
+    replay_GNE: decision codes to take instead of the router's own choices (see the module's doc).
     """
     E = logits_GNE.shape[-1]
     noisy_GNE = logits_GNE
@@ -106,8 +167,9 @@ def topk_choices(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise
         stddev_GNE = jax.nn.softplus(noise_scale_GNE) + 1e-2
         noisy_GNE = logits_GNE + noise_GNE * stddev_GNE
     scores_GNE = jax.nn.sigmoid(noisy_GNE) if score == "sigmoid" else jax.nn.softmax(noisy_GNE, axis=-1)
-    # ranked by score (for softmax, the same order as the noisy logits, on a scale where bf16 rounding is relative)
-    _, choices_GNK = jax.lax.top_k(selection_key(scores_GNE if bias_E is None else scores_GNE + bias_E), k)
+    key_GNE = scores_GNE if bias_E is None else scores_GNE + bias_E
+    _, own_GNK = jax.lax.top_k(key_GNE, k)
+    choices_GNK = own_GNK if replay_GNE is None else replayed_choices(replay_GNE, k)
     if score == "softmax" and renormalize:  # the softmax over the chosen logits
         gates_GNK = jax.nn.softmax(jnp.take_along_axis(noisy_GNE, choices_GNK, axis=-1), axis=-1)
     else:
@@ -123,54 +185,44 @@ def topk_choices(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise
         load_GE = jnp.sum(norm.cdf((logits_GNE - threshold_GNE) / stddev_GNE), axis=1)
     else:
         load_GE = chosen_GE
-    return Choices(choices_GNK, gates_GNK, load_GE, jnp.sum(chosen_GE, axis=0))
+    flips = None if replay_GNE is None else ranked_flips(key_GNE, own_GNK, choices_GNK)
+    return Choices(choices_GNK, gates_GNK, load_GE, jnp.sum(chosen_GE, axis=0), flips)
 
 
 def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_GNE: jax.Array | None,
                k: int, C: int, score: str = "softmax", renormalize: bool = True,
-               bias_E: jax.Array | None = None) -> Routed:
+               bias_E: jax.Array | None = None, replay_GNE: jax.Array | None = None) -> Routed:
     """Top-k's choices (topk_choices) into C slots per expert, overflow dropped."""
-    choices = topk_choices(logits_GNE, noise_scale_GNE, noise_GNE, k, score, renormalize, bias_E)
+    choices = topk_choices(logits_GNE, noise_scale_GNE, noise_GNE, k, score, renormalize, bias_E, replay_GNE)
     return into_slots(choices, logits_GNE.shape[-1], C)
 
 
 def into_slots(choices: Choices, E: int, C: int) -> Routed:
     """Top-k's choices into C slots per expert (all first choices before second choices), overflow dropped."""
-    dispatch, combine, dropped = _dispatch_from_choices(choices.experts_GNK, choices.gates_GNK, E, C)
+    dispatch, combine, dropped, codes_GNE = _dispatch_from_choices(choices.experts_GNK, choices.gates_GNK, E, C)
     importance_GE = jnp.sum(combine, axis=(1, 3))  # the gates of kept assignments
-    return Routed(dispatch, combine, choices.balance(importance_GE), dropped, choices.chosen_E)
+    return Routed(dispatch, combine, choices.balance(importance_GE), dropped, choices.chosen_E, codes_GNE,
+                  choices.flips)
 
 
-def selection_key(scores: jax.Array) -> jax.Array:
-    """What every router ranks by: its scores rounded to bfloat16 (8 significant bits).
-
-    Tokens with the same input and context (the same byte opening two sequences) have equal
-    scores, bit for bit on one layout and an ulp apart on another, where the reduction order
-    differs; two experts can score as close for one token. Ranked on exact fp32 values, such
-    near-ties go one way here and the other way there. Rounded, near-equal values become equal
-    and `top_k` / `argmax` break the tie by index (the lower wins), the same on every layout; a
-    flip now needs fp32 noise to straddle a bf16 rounding boundary, about 1e-7 / 4e-3 of the
-    time per compared value. The gates stay the exact fp32 scores of the chosen entries.
-
-    The rounding is `reduce_precision`, not a cast to bfloat16 and back: XLA may drop such a pair of
-    casts (xla_allow_excess_precision, on by default), and XLA:CPU does inside the fused softmax of
-    larger routing batches (a (16, 256, 8) one on jax 0.12), which left the keys exact fp32 there.
-    """
-    return jax.lax.reduce_precision(scores, exponent_bits=8, mantissa_bits=7)
-
-
-def expert_choice(logits_GNE: jax.Array, C: int):
+def expert_choice(logits_GNE: jax.Array, C: int, replay_GNE: jax.Array | None = None):
     """Expert Choice: each expert takes its top-C tokens of the group, so every expert is exactly
     full and nothing overflows (a token may be taken by several experts or by none; the
     caller measures the unrouted share from the dispatch). It looks at the whole group, so
     it is not causal. Gates are the exact probabilities of the chosen tokens."""
     probs_GEN = jnp.swapaxes(jax.nn.softmax(logits_GNE, axis=-1), 1, 2)
-    _, tokens_GEC = jax.lax.top_k(selection_key(probs_GEN), C)
+    _, own_GEC = jax.lax.top_k(probs_GEN, C)
+    tokens_GEC = own_GEC
+    if replay_GNE is not None:  # the C tokens each expert took (codes 1), lowest index first
+        tokens_GEC = jax.lax.top_k((jnp.swapaxes(jnp.abs(replay_GNE), 1, 2) > 0.5).astype(jnp.float32), C)[1]
     gates_GEC = jnp.take_along_axis(probs_GEN, tokens_GEC, axis=-1)
     N = logits_GNE.shape[1]
     dispatch_GNEC = jnp.transpose(jax.nn.one_hot(tokens_GEC, N, dtype=jnp.float32), (0, 3, 1, 2))
     combine_GNEC = dispatch_GNEC * gates_GEC[:, None, :, :]
-    return Routed(dispatch_GNEC, combine_GNEC, jnp.zeros((), jnp.float32), None, jnp.sum(dispatch_GNEC, axis=(0, 1, 3)))
+    codes_GNE = jnp.sum(dispatch_GNEC, axis=-1)
+    flips = None if replay_GNE is None else taken_flips(probs_GEN, own_GEC, tokens_GEC)
+    return Routed(dispatch_GNEC, combine_GNEC, jnp.zeros((), jnp.float32), None, jnp.sum(dispatch_GNEC, axis=(0, 1, 3)),
+                  codes_GNE, flips)
 
 
 def z_loss(logits_GNE: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ from jaxpar.model.axes import column_parallel, constrain, param
 from jaxpar.model.layers import RMSNorm
 from jaxpar.model.mlp import MLP
 from jaxpar.model.moe import MoE
+from jaxpar.model.routing_trace import RoutingTrace
 from jaxpar.model.segments import Segments
 
 
@@ -30,17 +31,17 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
 
     def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, segments: Segments | None = None,
-                 places_BR: jax.Array | None = None):
-        return self._feed_forward(x_BLD + self.attn(self.attn_norm(x_BLD), segments), noise_B, places_BR)
+                 routing: RoutingTrace | None = None):
+        return self._feed_forward(x_BLD + self.attn(self.attn_norm(x_BLD), segments), noise_B, routing)
 
     def decode(self, x_BLD: jax.Array, cache: KVCache):
         """The block on the next positions with its attention's key/value cache: (x, cache)."""
         y_BLD, cache = self.attn.decode(self.attn_norm(x_BLD), cache)
         return self._feed_forward(x_BLD + y_BLD, None, None)[0], cache
 
-    def _feed_forward(self, x_BLD: jax.Array, noise_B: jax.Array | None, places_BR: jax.Array | None):
+    def _feed_forward(self, x_BLD: jax.Array, noise_B: jax.Array | None, routing: RoutingTrace | None):
         if isinstance(self.mlp, MoE):
-            y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), noise_B, places_BR)
+            y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), noise_B, routing)
             return x_BLD + y_BLD, stats
         return x_BLD + self.mlp(self.mlp_norm(x_BLD)), {}
 
@@ -53,10 +54,10 @@ class MoEUnit(nnx.Module):
         self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=i == every - 1) for i in range(every)])
 
     def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, segments: Segments | None = None,
-                 places_BR: jax.Array | None = None):
+                 routing: RoutingTrace | None = None):
         stats = {}
         for block in self.blocks:
-            x_BLD, block_stats = block(x_BLD, noise_B, segments, places_BR)
+            x_BLD, block_stats = block(x_BLD, noise_B, segments, routing)
             stats = block_stats or stats
         return x_BLD, stats
 
@@ -171,7 +172,7 @@ class Transformer(nnx.Module):
 
     def run_blocks(self, x_BLD: jax.Array, scan: LayerScan | None = None, layer_ids: jax.Array | None = None,
                    noise_B: jax.Array | None = None, segments: Segments | None = None,
-                   places_BR: jax.Array | None = None):
+                   routing: RoutingTrace | None = None):
         """Run the stacked blocks; returns the output and per-layer routing statistics stacked on
         a leading axis ({} for a dense model).
 
@@ -183,15 +184,15 @@ class Transformer(nnx.Module):
         noise_B (training only): a PRNG key per batch row, folded with the layer id, for noisy
         top-k routing: noise keyed by the row, not by the device or microbatch that holds it.
         segments: the documents of packed rows (jaxpar.model.segments); None: one per row.
-        places_BR: each row's one-hot place in the whole batch, to trace routing token by token
-        (jaxpar.model.moe.routing_codes; verify only).
+        routing: to trace (and replay) routing token by token (jaxpar.model.routing_trace; verify only).
         """
         graphdef, stacked = nnx.split(self.blocks)
         ids = jnp.arange(stacked_layers(stacked)) if layer_ids is None else layer_ids
 
         def one_layer(x_BLD, layer_state, layer_id):
             keys_B = None if noise_B is None else jax.vmap(lambda k: jax.random.fold_in(k, layer_id))(noise_B)
-            return nnx.merge(graphdef, layer_state)(x_BLD, keys_B, segments, places_BR)
+            traced = None if routing is None else routing.at_layer(layer_id)
+            return nnx.merge(graphdef, layer_state)(x_BLD, keys_B, segments, traced)
 
         return (scan or plain_scan)(one_layer, x_BLD, stacked, ids)
 

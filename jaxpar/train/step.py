@@ -17,6 +17,7 @@ from flax import nnx
 from jaxpar.config import Config, TrainConfig
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.model import is_block_model, layout_hooks
+from jaxpar.model.routing_trace import RoutingTrace
 from jaxpar.model.segments import Segments
 from jaxpar.parallel import Layout, PipelinePlan, StageFns, eval_hooks, gradients
 from jaxpar.parallel.context import device_order
@@ -50,12 +51,12 @@ def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: PrecisionPolicy
 @dataclasses.dataclass(frozen=True)
 class RowInputs:
     """What the layers take per row besides the residual stream: a routing-noise PRNG key per row
-    (noisy top-k; else None), the documents of packed rows (else None), and each row's one-hot
-    place in the whole batch when the step traces routing token by token (verify; else None)."""
+    (noisy top-k; else None), the documents of packed rows (else None), and the routing trace when
+    the step traces routing token by token (verify; else None: jaxpar.model.routing_trace)."""
 
     noise_B: jax.Array | None = None
     segments: Segments | None = None
-    places_BR: jax.Array | None = None
+    routing: RoutingTrace | None = None
 
 
 def _cross_entropy(logits_BLV: jax.Array, batch) -> jax.Array:
@@ -110,7 +111,7 @@ def _run_blocks(model: nnx.Module, x_BLD: jax.Array, scan, layer_ids, rows: RowI
     """model.run_blocks with the rows' noise, and their documents only for packed rows: a model of
     your own that never trains packed rows need not take `segments` (jaxpar.model.protocol)."""
     documents = {} if rows.segments is None else {"segments": rows.segments}
-    traced = {} if rows.places_BR is None else {"places_BR": rows.places_BR}
+    traced = {} if rows.routing is None else {"routing": rows.routing}
     return model.run_blocks(x_BLD, scan, layer_ids, rows.noise_B, **documents, **traced)
 
 
@@ -129,8 +130,8 @@ def in_device_order(batch, layout: Layout):
     return rows.in_order(device_order(rows.tokens_BT.shape[1] - 1, layout.context, True))
 
 
-def row_inputs(batch, noise_B: jax.Array | None, places_BR: jax.Array | None = None) -> RowInputs:
-    return RowInputs(noise_B, batch.segments() if isinstance(batch, PackedRows) else None, places_BR)
+def row_inputs(batch, noise_B: jax.Array | None, routing: RoutingTrace | None = None) -> RowInputs:
+    return RowInputs(noise_B, batch.segments() if isinstance(batch, PackedRows) else None, routing)
 
 
 def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT, precision: PrecisionPolicy,
@@ -164,8 +165,8 @@ def routing_stats(sums: dict, count: int) -> dict:
              "moe_expert_tokens": mean["expert_tokens"], "moe_max_load": mean["max_load"]}
     if "dropped" in mean:  # routers with a capacity to overflow (not Expert Choice)
         stats["moe_dropped_fraction"] = mean["dropped"]
-    if "routing_codes" in mean:  # traced token by token (verify)
-        stats["moe_routing_codes"] = mean["routing_codes"]
+    # traced token by token (verify): the decisions' codes, and replayed, the flips and their margins
+    stats.update({f"moe_{k}": v for k, v in mean.items() if k.startswith("routing_")})
     return stats
 
 
@@ -277,30 +278,31 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
                     pipeline: PipelinePlan, precision: PrecisionPolicy, trace_routing: bool = False):
     """Build the pure step for one layout and pipeline plan (a plan without a table: no pipeline).
 
-    trace_routing (an MoE model; verify): the metrics also hold `moe_routing_codes`, per token of the
-    batch the sum over MoE layers of a code naming the experts it went to (jaxpar.model.moe.routing_codes),
-    so that two runs can be compared token by token.
+    trace_routing (an MoE model; verify): the metrics hold `moe_routing_codes`, each token's decision in
+    each MoE layer, and the step takes decisions to replay as a third argument (None: route freely),
+    reporting the router's own flips and their margins (jaxpar.model.routing_trace).
 
     Under PipeDream-2BW (pipeline.stale_weights) gradients are taken on the weights one step old
     (state.stale_params) and applied to the current ones.
     """
     t, moe = cfg.train, cfg.model.moe
     noisy = bool(moe.experts) and moe.noise and moe.chooses_top_k
+    traced_units = cfg.model.n_layers // moe.every if trace_routing and moe.experts else 0
     balances_by_bias = bool(moe.experts) and moe.balance == "bias"
     grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision)
     # Statistics are means over the traced batch of one microbatch; token counts scale to the step.
     traced_batches = layout.manual_batch_ways * (t.grad_accum if pipeline.table is None
                                                  else pipeline.table.microbatches)
 
-    def train_step(state: TrainState, tokens_BT):
+    def train_step(state: TrainState, tokens_BT, replay_BULE: jax.Array | None = None):
         scale = state.loss_scale.scale
         grad_params = state.stale_params if pipeline.stale_weights else state.params
         step_key = jax.random.fold_in(jax.random.PRNGKey(t.seed), state.step)  # the same on every layout
         tokens_BT = weighted(in_device_order(tokens_BT, layout))
         B = jax.tree.leaves(tokens_BT)[0].shape[0]
         rows_B = row_keys(step_key, B) if noisy else None
-        places_BR = jnp.eye(B, dtype=jnp.float32) if trace_routing and moe.experts else None
-        stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, row_inputs(tokens_BT, rows_B, places_BR)),
+        routing = RoutingTrace(jnp.eye(B, dtype=jnp.float32), replay_BULE, units=traced_units) if traced_units else None
+        stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, row_inputs(tokens_BT, rows_B, routing)),
                                  scale)
         grads = jax.tree.map(lambda g: g / scale, grads)
         if balances_by_bias:  # the biases move by their own rule; the optimizer sees zero gradients for them
@@ -324,8 +326,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
             counts = stats["moe_expert_tokens"] * traced_batches
             metrics["moe_expert_tokens"] = counts
             metrics["moe_load_cv"] = jnp.std(counts) / jnp.maximum(jnp.mean(counts), 1e-9)
-        if "moe_routing_codes" in stats:  # the same scaling: per traced batch -> whole batch
-            metrics["moe_routing_codes"] = stats["moe_routing_codes"] * traced_batches
+        # the same scaling for the traced decisions: per traced batch -> whole batch
+        metrics.update({k: v * traced_batches for k, v in stats.items() if k.startswith("moe_routing_")})
         if pipeline.table is not None:
             metrics["pipeline_idle_fraction"] = jnp.asarray(pipeline.table.idle_fraction, jnp.float32)
         stale = state.params if pipeline.stale_weights else None

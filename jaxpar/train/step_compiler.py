@@ -11,10 +11,12 @@ from jaxpar.train.step import make_eval_step, make_train_step
 
 def compile_steps(plan: StatePlan, trace_routing: bool = False):
     """(step(state, tokens_BT) -> (state, metrics), eval_loss(params, tokens_BT) -> loss), both jitted
-    (compiled when first called). trace_routing: see make_train_step."""
+    (compiled when first called). trace_routing: see make_train_step (the step's third argument, the
+    decisions to replay or None, is split by rows like the batch)."""
     train_step = plan.strategy.step(make_train_step(plan.graphdef, plan.optimizer, plan.cfg, plan.state_layout,
                                                     plan.pipeline, plan.precision, trace_routing))
-    step = jax.jit(train_step, in_shardings=(plan.state_shardings, plan.batch_sharding),
+    replayed = (plan.batch_sharding,) if trace_routing else ()
+    step = jax.jit(train_step, in_shardings=(plan.state_shardings, plan.batch_sharding, *replayed),
                    out_shardings=(plan.state_shardings, plan.replicated), donate_argnums=0)
     eval_step = make_eval_step(plan.graphdef, plan.precision, plan.layout, plan.pipeline, plan.cfg.train.loss_chunks)
     eval_loss = jax.jit(lambda params, tokens_BT: eval_step(plan.weights(params), tokens_BT),

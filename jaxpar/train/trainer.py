@@ -23,8 +23,9 @@ class Trainer:
     """A session's state plan and jitted steps: `init()` and `step(state, batch)`, `eval_loss(params,
     batch)`, and placing states and batches on the mesh. `model` (a builder from nnx.Rngs; None:
     jaxpar's Transformer) and `rules` (its own logical names) are kept as given, for a reference
-    trainer of the same model on another config. trace_routing: the step's metrics also name each
-    token's experts (verify; jaxpar.train.step.make_train_step)."""
+    trainer of the same model on another config. trace_routing: the step's metrics also hold each
+    token's routing decisions, and the step takes decisions to replay as a third argument (verify;
+    jaxpar.train.step.make_train_step)."""
 
     def __init__(self, session: Session, model: Callable[[nnx.Rngs], nnx.Module] | None = None,
                  rules: Mapping | None = None, trace_routing: bool = False):

@@ -1,0 +1,62 @@
+"""verify's judgement of a mixture-of-experts layout's routing, replayed in the reference.
+
+The layout's step records every decision (jaxpar.model.routing_trace), and the reference step
+takes those decisions instead of its own, so both train along the same discrete path and
+their weights can be compared at the usual tolerance. The reference's routers also report
+where their own decision would have differed (a flip) and by how much their scores preferred
+it (the margin, a relative gap). A flip within the precision policy's tie tolerance is a tie:
+two scores that the layouts' different summation orders (or the policy's rounding) can swap.
+A flip beyond it is a bug, and so is a decision the reference does not reproduce when it
+replays it (a token kept or dropped at capacity differently under the same choices).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WORST_REPORTED = 5  # the flips with the largest margins that the result lists
+
+
+class RoutingCheck:
+    """Ties and flips over a run's steps. units: the model's MoE layers (U); every: blocks per MoE
+    unit (the MoE block is a unit's last); tolerance: the policy's tie tolerance."""
+
+    def __init__(self, units: int, every: int, tolerance: float):
+        self.units, self.every, self.tolerance = units, every, tolerance
+        self.ties = self.flips = 0
+        self.worst: list[dict] = []
+
+    def codes(self, metrics) -> np.ndarray:
+        """The decisions a step's metrics hold, (U, R, L, E) integers (the step reports them averaged over
+        the U layers: scaled back and rounded to the integers they are)."""
+        return np.rint(np.asarray(metrics["moe_routing_codes"], np.float64) * self.units)
+
+    def replay_input(self, codes_URLE: np.ndarray) -> np.ndarray:
+        """The decisions as the reference step takes them: per row, (R, U, L, E) in fp32."""
+        return np.ascontiguousarray(codes_URLE.transpose(1, 0, 2, 3), np.float32)
+
+    def add(self, step: int, codes_URLE: np.ndarray, ref_metrics) -> None:
+        """Judge one step: the layout's decisions, and the reference's metrics after replaying them."""
+        flipped = np.rint(np.asarray(ref_metrics["moe_routing_flips"], np.float64) * self.units) > 0
+        margins = np.asarray(ref_metrics["moe_routing_margins"], np.float64) * self.units
+        unreproduced = np.any(self.codes(ref_metrics) != codes_URLE, axis=-1)
+        margins = np.where(unreproduced, np.inf, margins)
+        flipped |= unreproduced
+        tie = flipped & (margins <= self.tolerance)
+        self.ties += int(np.count_nonzero(tie))
+        self.flips += int(np.count_nonzero(flipped & ~tie))
+        for unit, row, position in zip(*np.nonzero(flipped)):
+            margin = float(margins[unit, row, position])
+            self.worst.append({"step": step + 1, "layer": int(unit) * self.every + self.every - 1, "row": int(row),
+                               "position": int(position), "margin": None if np.isinf(margin) else margin})
+        self.worst = sorted(self.worst, key=_severity, reverse=True)[:WORST_REPORTED]
+
+    def report(self) -> dict:
+        """routing_changes {ties, flips}, the tie tolerance, and the flips with the largest margins (a
+        margin of None: the reference did not reproduce the layout's decision when replaying it)."""
+        return {"routing_changes": {"ties": self.ties, "flips": self.flips}, "tie_tolerance": self.tolerance,
+                "worst_margins": self.worst}
+
+
+def _severity(flip: dict) -> float:
+    return np.inf if flip["margin"] is None else flip["margin"]

@@ -1,0 +1,65 @@
+"""Random layouts over the whole switch space: every draw verifies against one device, or is refused in
+one sentence before anything compiles. The draws are seeded, so CI and every machine run the same ones;
+which CPU runs them must not change the verdict (routing near-ties are replayed, not rounded away)."""
+
+import numpy as np
+import pytest
+from helpers import SMALL_MODEL
+
+from jaxpar.errors import ConfigError
+from jaxpar.presets import load_config
+from jaxpar.session import prepare
+from jaxpar.train.verify import verify
+
+DRAWS = 6
+MESHES = [  # (data, tensor, expert, stage, context) over 8 devices
+    (8, 1, 1, 1, 1), (4, 2, 1, 1, 1), (2, 2, 2, 1, 1), (4, 1, 2, 1, 1), (2, 1, 1, 1, 4), (1, 2, 1, 1, 4),
+    (2, 1, 1, 4, 1), (2, 2, 1, 2, 1), (2, 1, 2, 2, 1), (1, 4, 2, 1, 1), (2, 1, 2, 1, 2),
+]
+CHOICES = {
+    "parallel.zero": ["0", "1", "2", "3"],
+    "parallel.pipeline.schedule": ["gpipe", "1f1b", "zb-h1"],
+    "parallel.context_attention": ["ring", "allgather"],
+    "parallel.grad_reduce_dtype": ["fp32", "bf16"],
+    "train.precision": ["fp32", "fp32", "bf16"],
+    "train.grad_accum": ["1", "2"],
+    "train.loss_chunks": ["1", "2"],
+    "data.packing": ["none", "pack"],
+    "model.attention": ["dot", "flash"],
+    "model.n_kv_heads": ["0", "2"],
+}
+EXPERTS = {  # a mixture of experts in most draws
+    "model.moe.router": ["topk", "switch", "expert_choice", "dropless"],
+    "model.moe.shared": ["0", "1"],
+    "model.moe.mlp": ["gelu", "swiglu"],
+}
+
+
+def draw(index: int) -> list[str]:
+    """The overrides of draw `index`: a mesh, a value of every switch, and mostly an MoE model."""
+    rng = np.random.default_rng(1000 + index)
+    data, tensor, expert, stage, context = MESHES[rng.integers(len(MESHES))]
+    overrides = [f"mesh.data={data}", f"mesh.tensor={tensor}", f"mesh.expert={expert}", f"mesh.stage={stage}",
+                 f"mesh.context={context}", "parallel.context_balance=false", "model.n_layers=4", "model.n_heads=4",
+                 "train.batch_size=16", "train.steps=2", *SMALL_MODEL]
+    overrides += [f"{key}={values[rng.integers(len(values))]}" for key, values in CHOICES.items()]
+    if expert > 1 or rng.random() < 0.7:
+        overrides += ["model.moe.experts=4", "model.moe.every=1"]
+        overrides += [f"{key}={values[rng.integers(len(values))]}" for key, values in EXPERTS.items()]
+        if "model.moe.router=dropless" in overrides or "model.moe.router=topk" in overrides:
+            overrides.append(f"model.moe.balance={['aux', 'bias'][rng.integers(2)]}")
+    return overrides
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(DRAWS))
+def test_a_random_layout_verifies_or_is_refused_in_one_sentence(index, tmp_path):
+    overrides = draw(index)
+    try:
+        session = prepare(load_config(None, [f"run.dir={tmp_path / 'run'}", *overrides]))
+    except ConfigError as refusal:
+        sentence = str(refusal)
+        assert "\n" not in sentence and sentence.rstrip().endswith("."), sentence
+        return
+    result = verify(session, log=lambda line: None)
+    assert result["ok"], (overrides, result)
