@@ -73,8 +73,8 @@ def test_expert_choice_fills_every_expert_exactly_and_counts_the_tokens_it_misse
 # flipped): Switch through 1F1B, Expert Choice with accumulation beside tensor x expert, Expert Choice
 # through 1F1B in bf16 (its MoE weights judged too now), and top-k with bf16 gradient reductions.
 REVIEWED_LAYOUTS = {
-    "switch d2 e2 s2 1f1b": ("model.moe.router=switch", "model.moe.every=1", "mesh.data=2", "mesh.expert=2", "mesh.stage=2",
-                             "parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=4"),
+    "switch d2 e2 s2 1f1b": ("model.moe.router=switch", "model.moe.every=1", "mesh.data=2", "mesh.expert=2",
+                             "mesh.stage=2", "parallel.pipeline.schedule=1f1b", "parallel.pipeline.microbatches=4"),
     "expert_choice d2 t2 e2 accum 2": ("model.moe.router=expert_choice", "mesh.data=2", "mesh.tensor=2",
                                        "mesh.expert=2", "train.grad_accum=2"),
     "expert_choice d2 e2 s2 1f1b bf16": ("model.moe.router=expert_choice", "model.moe.every=1", "mesh.data=2",

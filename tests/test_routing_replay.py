@@ -147,3 +147,13 @@ def test_a_router_broken_on_one_device_fails_verify_with_flips_beyond_the_tolera
     assert not result["ok"]
     assert result["routing_changes"]["flips"] > 0
     assert all(flip["margin"] > 100 * result["tie_tolerance"] for flip in result["worst_margins"]), result
+
+
+def test_the_tie_tolerance_widens_with_what_the_policy_rounds():
+    """A few fp32 ulps when nothing rounds; wider when the gradients are reduced in bf16; wider still when
+    the activations are bf16 or fp16 (each measured on verify's layouts: docs/moe.md)."""
+    from jaxpar.precision import policy
+
+    exact, reduced, half = policy("fp32").tie_tolerance, policy("fp32", "bf16").tie_tolerance, \
+        policy("bf16").tie_tolerance
+    assert exact < 2.0 ** -16 < reduced < half == policy("fp16").tie_tolerance == policy("bf16", "bf16").tie_tolerance
