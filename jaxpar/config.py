@@ -208,6 +208,7 @@ class CheckpointConfig:
     """Orbax checkpoints under <run.dir>/checkpoints: every N steps (0 = off), keep the newest K."""
 
     every: int = 0
+    final: bool = True  # a run that completes saves its last step (what export-hf, generate and a resume read)
     keep: int = 3
     async_: bool = dataclasses.field(default=True, metadata={"key": "async"})
     local_every: int = 0  # every N steps also a copy in host memory (and one peer's), restored first; 0 = off
@@ -306,8 +307,7 @@ def _unknown_key(key: str) -> ConfigError:
 
 
 def quoted(text) -> str:
-    """A user's text in quotes for a one-line message: 'like this', with newlines and other control
-    characters escaped."""
+    """A user's text in quotes for a one-line message: 'like this', with control characters escaped."""
     return repr(str(text))
 
 

@@ -33,6 +33,15 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, capsys, re
 
 
 @pytest.mark.slow
+def test_a_completed_run_keeps_its_final_state_unless_told_not_to(tmp_path, capsys):
+    """checkpoint.every=0 (the default) still leaves the last step for export-hf, generate and a resume."""
+    code, _ = train_here(capsys, tmp_path / "kept", "train.steps=2")
+    assert code == 0 and checkpoint_steps(tmp_path / "kept") == [2]
+    code, _ = train_here(capsys, tmp_path / "left", "train.steps=2", "checkpoint.final=false")
+    assert code == 0 and not (tmp_path / "left" / "checkpoints").exists()
+
+
+@pytest.mark.slow
 def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
     from jaxpar.presets import load_config
     from jaxpar.session import prepare

@@ -27,8 +27,9 @@ class SavedRun:
         self.run_dir = Path(run_dir)
         folder = self.run_dir / "checkpoints"
         if not folder.is_dir():
-            raise UserError(f"{self.run_dir} holds no checkpoints folder; train with checkpoint.every=N (or stop a "
-                            f"run with Ctrl-C, which saves one).")
+            raise UserError(f"{self.run_dir} holds no checkpoints folder: no run there has completed (one saves "
+                            f"its final state unless checkpoint.final=false), saved every checkpoint.every steps, "
+                            f"or been stopped with Ctrl-C.")
         # Only restore is ever called on it, so nothing is written or removed (a temporary folder left by a
         # killed save included: cleanup_tmp_directories is off).
         options = ocp.CheckpointManagerOptions(create=False)

@@ -1,7 +1,7 @@
-"""Every save a run makes, timed: the shared checkpoint every checkpoint.every steps (and when the run
-stops), the in-memory copy every checkpoint.local_every steps, and the resume that reads the newer of
-the two. What a save holds training for is a `save` row of the timeline, and it is left out of the
-next step's time (jaxpar.goodput)."""
+"""Every save a run makes, timed: the shared checkpoint every checkpoint.every steps, when the run stops,
+and when it completes (unless checkpoint.final=false); the in-memory copy every checkpoint.local_every
+steps; and the resume that reads the newer of the two. What a save holds training for is a `save` row of
+the timeline, and it is left out of the next step's time (jaxpar.goodput)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ class Saves:
             self._timed(step, "memory", lambda: self.local.save(step, state, meta))
 
     def final(self, step: int, state) -> None:
-        """The last step's checkpoint, unless a periodic one was just written."""
-        if self.every and step % self.every:
+        """The last step's checkpoint (checkpoint.final), unless a periodic one was just written."""
+        if self.cfg.checkpoint.final and not (self.every and step % self.every == 0):
             self._timed(step, "checkpoint", lambda: self.checkpoints.save(step, state, self.trainer))
 
     def _timed(self, step: int, kind: str, save: Callable[[], None]) -> None:
