@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from jaxpar.config import Config, ConfigError, apply_overrides, flatten_dict, quoted
+from jaxpar.data.sources import mixture_text
 from jaxpar.interop.hf_config import resolve
 
 
@@ -45,6 +46,17 @@ def _merge(base: dict, update: dict) -> dict:
     return merged
 
 
+def _mixture_as_text(tree: dict) -> dict:
+    """data.mixture given as a mapping of folders to weights, in its string form: before the tree is
+    flattened into keys, where the folders would read as config keys."""
+    data = tree.get("data")
+    if isinstance(data, dict) and isinstance(data.get("mixture"), dict):
+        return {**tree, "data": {**data, "mixture": mixture_text(data["mixture"])}}
+    if isinstance(tree.get("data.mixture"), dict):
+        return {**tree, "data.mixture": mixture_text(tree["data.mixture"])}
+    return tree
+
+
 def parse_override(arg: str) -> tuple[str, str]:
     """Split 'train.steps=10' into ('train.steps', '10') with a clear error otherwise."""
     key, sep, value = arg.partition("=")
@@ -58,9 +70,10 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
     model.from_hf's checkpoint filled in."""
     cfg, given = Config(), set()
     if path is not None:
-        preset = _read_yaml(Path(path))
+        preset = _mixture_as_text(_read_yaml(Path(path)))
         cfg, given = apply_overrides(cfg, preset), set(flatten_dict(preset))
     if overrides:
-        pairs = dict(parse_override(o) for o in overrides) if isinstance(overrides, list) else overrides
+        pairs = dict(parse_override(o) for o in overrides) if isinstance(overrides, list) else \
+            _mixture_as_text(overrides)
         cfg, given = apply_overrides(cfg, pairs), given | set(flatten_dict(pairs))
     return resolve(cfg, given)

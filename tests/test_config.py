@@ -69,3 +69,21 @@ def test_config_module_does_not_import_jax():
     code = "import jaxpar, jaxpar.config, jaxpar.cli, sys; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_mixture_given_as_a_yaml_mapping_is_the_mixture_given_as_text(tmp_path):
+    preset = tmp_path / "mix.yaml"
+    preset.write_text("data:\n  packing: pack\n  mixture: {web: 0.7, code/python: 3}\n")
+    from_yaml = load_config(str(preset))
+    assert from_yaml == load_config(None, ["data.packing=pack", "data.mixture=web:0.7,code/python:3"])
+    assert from_yaml == load_config(None, {"data": {"packing": "pack", "mixture": {"web": 0.7, "code/python": 3}}})
+
+
+@pytest.mark.parametrize("mapping", ["{web: lots}", "{web: 0.7, code: -1}", "{web: true}", "{'a,b': 1}"])
+def test_a_malformed_mixture_mapping_is_refused_in_one_sentence(tmp_path, mapping):
+    preset = tmp_path / "mix.yaml"
+    preset.write_text(f"data:\n  mixture: {mapping}\n")
+    with pytest.raises(ConfigError) as refusal:
+        load_config(str(preset))
+    message = str(refusal.value)
+    assert message.startswith("data.mixture") and "\n" not in message and message.endswith(".")

@@ -31,6 +31,20 @@ def parse_mixture(text: str) -> tuple[tuple[str, float], ...]:
     return tuple((folder, w / total) for folder, w in entries)
 
 
+def mixture_text(mapping: dict) -> str:
+    """A mixture given as a mapping {FOLDER: WEIGHT} (a YAML preset's `mixture: {web: 0.7, code: 0.3}`) in
+    the string form 'web:0.7,code:0.3', checked as that form is. Raises ConfigError."""
+    entries = []
+    for folder, weight in mapping.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or "," in str(folder):
+            raise ConfigError(f"data.mixture maps each folder to a positive weight, as {{web: 0.7, code: 0.3}} or "
+                              f"'web:0.7,code:0.3', got {folder!r}: {weight!r}.")
+        entries.append(f"{folder}:{weight!r}")
+    text = ",".join(entries)
+    parse_mixture(text)
+    return text
+
+
 def token_source(data) -> str:
     """The source whose tokenizer the run's ids are in: a mixture's first folder (all share one
     tokenizer), else data.source."""
