@@ -4,19 +4,18 @@ model should use them (`model_weights` for the whole state, `layer_weights` for 
 inside the layer scan) with the checkpoint policy that goes with them.
 
 Two implementations, both complete:
-- `PartitionerHooks`, for a step XLA's SPMD partitioner shards: constraints only. ZeRO-3
-  constrains a layer's weight shard to its full sharding in the compute dtype (an all-gather
-  inside the layer scan) and, in a custom VJP, the fp32 gradient back to the shard (a
-  reduce-scatter); ZeRO-2 only constrains the gradient.
-- `ManualHooks`, inside a shard_map manual over the batch axes (expert parallelism): the
-  collectives by hand. ZeRO-3 all-gathers the shard (its VJP reduce-scatters); ZeRO-2 holds
-  the full replicated weight, differentiates this device's slice, and a custom VJP gives the
-  slice its reduce-scattered gradient.
+- `PartitionerHooks`, for a step XLA's SPMD partitioner shards: constraints only. ZeRO-3 constrains
+  a layer's weight shard to its full sharding in the compute dtype (an all-gather inside the layer
+  scan) and, in a custom VJP, the fp32 gradient back to the shard (a reduce-scatter); ZeRO-2 only
+  constrains the gradient.
+- `ManualHooks`, inside a shard_map manual over the batch axes (expert parallelism): the collectives
+  by hand. ZeRO-3 all-gathers the shard (its VJP reduce-scatters); ZeRO-2 holds the full replicated
+  weight, differentiates this device's slice, and a custom VJP gives it its reduce-scattered gradient.
 
-Both run attention across mesh.context (jaxpar.parallel.context) and the column- and row-parallel
-matmuls: under sequence parallelism, with no enclosing manual shard_map, each a shard_map over tensor
-and the batch axes with its collective by hand (all-gather before, reduce-scatter after) and a custom
-VJP; inside a pipeline or expert shard_map the residual stream's constraints leave them to XLA.
+Both run attention across mesh.context (jaxpar.parallel.context) and the column- and row-parallel matmuls:
+under sequence parallelism, outside any manual shard_map, each a shard_map over tensor and the batch axes
+with its collective by hand (all-gather before, reduce-scatter after) and a custom VJP; inside a
+pipeline or expert shard_map the residual stream's constraints leave them to XLA.
 """
 
 from __future__ import annotations
@@ -27,14 +26,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.model.axes import path_names
 from jaxpar.model.matmul import wide_einsum
 from jaxpar.parallel import context
-from jaxpar.parallel.layout import Layout
-from jaxpar.parallel.reductions import moved_as_bits, scattered
+from jaxpar.parallel.layout import Layout, _is_var
+from jaxpar.parallel.reductions import moved_as_bits, rows_gathered, rows_summed, scattered
 from jaxpar.parallel.rules import logical_to_spec
 from jaxpar.parallel.zero import without_axes
 
@@ -46,10 +44,6 @@ _EXPANDING_PRIMITIVES = frozenset({"all_gather", "dynamic_slice", "squeeze", "cu
 def _keep_all_but_expanded_weights(primitive, *_, **__) -> bool:
     """Checkpoint policy: keep every intermediate for backward except expanded layer weights."""
     return primitive.name not in _EXPANDING_PRIMITIVES
-
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 class _Hooks:
@@ -203,7 +197,9 @@ class ManualHooks(_Hooks):
         if self.layout.sizes.get("expert", 1) == 1:
             return x
         if inverse:
-            return jax.lax.psum_scatter(x, "expert", scatter_dimension=0, tiled=True)
+            return rows_summed(x, "expert")
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return rows_gathered(x, "expert")
         return jax.lax.all_gather(x, "expert", axis=0, tiled=True)
 
     def expert_shard(self) -> jax.Array | int:

@@ -1,5 +1,6 @@
 """The data-parallel gradient reductions written by hand (inside a shard_map manual over the
-batch axes): their payload dtype is parallel.grad_reduce_dtype.
+batch axes): their payload dtype is parallel.grad_reduce_dtype. And dropless routing's exchange of
+rows over `expert`, forward and backward, built from the same pieces (rows_gathered, rows_summed).
 
 fp32 sends the gradient as fp32 whatever the compute dtype: XLA's all-reduce and reduce-scatter.
 bf16 sends it as bf16, half the bytes of fp32, and sums in fp32 where it arrives: a reduce-scatter
@@ -17,6 +18,7 @@ travel as their 16-bit patterns (uint16), which no backend widens: moving data n
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -67,3 +69,26 @@ def summed(grad: jax.Array, axes, payload) -> jax.Array:
     mine = _as_bits(scattered(padded, axes, 0, payload).astype(payload))
     whole = _from_bits(jax.lax.all_gather(mine, axes, axis=0, tiled=True), payload).astype(jnp.float32)
     return whole[:flat.size].reshape(grad.shape)
+
+
+def _gather_rows(x: jax.Array, axes) -> jax.Array:
+    return moved_as_bits(lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True), x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def rows_gathered(x: jax.Array, axes) -> jax.Array:
+    """Every shard's rows of a float x over `axes` (an all-gather); its gradient, each shard's rows summed
+    over the shards (`scattered` in x's dtype: in bf16 no bf16 reduce-scatter, which XLA:CPU aborts on)."""
+    return _gather_rows(x, axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def rows_summed(x: jax.Array, axes) -> jax.Array:
+    """Each shard's rows of x summed over the shards of `axes` (`scattered` in x's dtype); its gradient,
+    every shard's rows (an all-gather)."""
+    return scattered(x, axes, 0, x.dtype).astype(x.dtype)
+
+
+rows_gathered.defvjp(lambda x, axes: (_gather_rows(x, axes), None),
+                     lambda axes, _, grad: (scattered(grad, axes, 0, grad.dtype).astype(grad.dtype),))
+rows_summed.defvjp(lambda x, axes: (rows_summed(x, axes), None), lambda axes, _, grad: (_gather_rows(grad, axes),))

@@ -59,6 +59,7 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
     # The layout's arrays may span processes: copy them whole onto every device before reading them.
     gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
     ref_state = reference.put_state(layout.to_model_order(jax.device_get(gather(state))))
+    from_zero = {key for key, value in flat_by_path(jax.device_get(ref_state.params)).items() if not np.any(value)}
     moe = cfg.model.moe
     routing = RoutingCheck(cfg.model.n_layers // moe.every, moe.every, policy.tie_tolerance) \
         if moe.experts and layout.model is None else None
@@ -83,7 +84,12 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
     errors = {key: _rel(np.asarray(a), np.asarray(ref[key])) for ref in [flat_by_path(ref_params)]
               for key, a in flat_by_path(params).items()}
     loss_tol, param_tol = policy.tolerances
+    judged = {key: error for key, error in errors.items() if key not in from_zero}
     result = {"layout": session.layout_name(), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
-              "param_max_rel_err": max(errors.values()), **(routing.report() if routing else {})}
-    ok = max(loss_errors) <= loss_tol and max(errors.values()) <= param_tol and not (routing and routing.flips)
-    return {"ok": bool(ok), **result}
+              "param_max_rel_err": max(judged.values(), default=0.0)}
+    if from_zero:  # weights that start at zero are all updates: judged at the policy's tolerance for them
+        result["from_zero_max_rel_err"] = max(errors[key] for key in from_zero)
+    within = result.get("from_zero_max_rel_err", 0.0) <= policy.from_zero_tolerance
+    ok = max(loss_errors) <= loss_tol and result["param_max_rel_err"] <= param_tol and within
+    ok = ok and not (routing and routing.flips)
+    return {"ok": bool(ok), **result, **(routing.report() if routing else {})}
