@@ -48,12 +48,20 @@ def _merge(base: dict, update: dict) -> dict:
 
 def _mixture_as_text(tree: dict) -> dict:
     """data.mixture given as a mapping of folders to weights, in its string form: before the tree is
-    flattened into keys, where the folders would read as config keys."""
+    flattened into keys, where the folders would read as config keys. On the command line the mapping
+    is YAML's, `data.mixture='{web: 0.7, code: 0.3}'`."""
     data = tree.get("data")
     if isinstance(data, dict) and isinstance(data.get("mixture"), dict):
         return {**tree, "data": {**data, "mixture": mixture_text(data["mixture"])}}
-    if isinstance(tree.get("data.mixture"), dict):
-        return {**tree, "data.mixture": mixture_text(tree["data.mixture"])}
+    value = tree.get("data.mixture")
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = yaml.safe_load(value)
+        except (yaml.YAMLError, ValueError, OverflowError):
+            raise ConfigError(f"data.mixture {quoted(value)} is not a YAML mapping such as "
+                              f"'{{web: 0.7, code: 0.3}}'.") from None
+    if isinstance(value, dict):
+        return {**tree, "data.mixture": mixture_text(value)}
     return tree
 
 
@@ -73,7 +81,6 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
         preset = _mixture_as_text(_read_yaml(Path(path)))
         cfg, given = apply_overrides(cfg, preset), set(flatten_dict(preset))
     if overrides:
-        pairs = dict(parse_override(o) for o in overrides) if isinstance(overrides, list) else \
-            _mixture_as_text(overrides)
+        pairs = _mixture_as_text(dict(map(parse_override, overrides)) if isinstance(overrides, list) else overrides)
         cfg, given = apply_overrides(cfg, pairs), given | set(flatten_dict(pairs))
     return resolve(cfg, given)

@@ -35,10 +35,36 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, capsys, re
 @pytest.mark.slow
 def test_a_completed_run_keeps_its_final_state_unless_told_not_to(tmp_path, capsys):
     """checkpoint.every=0 (the default) still leaves the last step for export-hf, generate and a resume."""
+    from jaxpar.generate import generate
+
     code, _ = train_here(capsys, tmp_path / "kept", "train.steps=2")
     assert code == 0 and checkpoint_steps(tmp_path / "kept") == [2]
+    assert generate(str(tmp_path / "kept"), "the", 2)["step"] == 2
+    code, err = train_here(capsys, tmp_path / "kept", "train.steps=2")  # the finished run again: nothing to do
+    assert code == 0 and "resuming from the checkpoint at step 2" in err and checkpoint_steps(tmp_path / "kept") == [2]
     code, _ = train_here(capsys, tmp_path / "left", "train.steps=2", "checkpoint.final=false")
     assert code == 0 and not (tmp_path / "left" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("overrides, saved", [({}, [6]), ({"checkpoint.every": 4}, [4, 6]),
+                                               ({"checkpoint.every": 3}, [3, 6]), ({"checkpoint.final": False}, [])])
+def test_the_final_save_is_made_once(overrides, saved):
+    """A periodic save at the last step is the final one too: the step is not saved twice."""
+    from types import SimpleNamespace
+
+    from jaxpar.config import Config
+    from jaxpar.train.saves import Saves
+
+    written = []
+    checkpoints = SimpleNamespace(save=lambda step, state, trainer: written.append(step))
+    local = SimpleNamespace(every=0, due=lambda step: False)
+    timeline = SimpleNamespace(save=lambda step, seconds, kind: None)
+    saves = Saves(Config().replace(**overrides), None, checkpoints, local, timeline, lambda seconds: None)
+    for step in range(1, 7):
+        if saves.due(step, stopping=False):
+            saves.save(step, None, stopping=False)
+    saves.final(6, None)
+    assert written == saved
 
 
 @pytest.mark.slow

@@ -77,6 +77,7 @@ def test_a_mixture_given_as_a_yaml_mapping_is_the_mixture_given_as_text(tmp_path
     from_yaml = load_config(str(preset))
     assert from_yaml == load_config(None, ["data.packing=pack", "data.mixture=web:0.7,code/python:3"])
     assert from_yaml == load_config(None, {"data": {"packing": "pack", "mixture": {"web": 0.7, "code/python": 3}}})
+    assert from_yaml == load_config(None, ["data.packing=pack", "data.mixture={web: 0.7, code/python: 3}"])
 
 
 @pytest.mark.parametrize("mapping", ["{web: lots}", "{web: 0.7, code: -1}", "{web: true}", "{'a,b': 1}"])
@@ -85,5 +86,13 @@ def test_a_malformed_mixture_mapping_is_refused_in_one_sentence(tmp_path, mappin
     preset.write_text(f"data:\n  mixture: {mapping}\n")
     with pytest.raises(ConfigError) as refusal:
         load_config(str(preset))
+    message = str(refusal.value)
+    assert message.startswith("data.mixture") and "\n" not in message and message.endswith(".")
+
+
+@pytest.mark.parametrize("value", ["{web: lots}", "{web:0.7,code:0.3}", "{web: [0.7"])
+def test_a_malformed_mixture_mapping_on_the_command_line_is_refused_in_one_sentence(value):
+    with pytest.raises(ConfigError) as refusal:
+        load_config(None, [f"data.mixture={value}"])
     message = str(refusal.value)
     assert message.startswith("data.mixture") and "\n" not in message and message.endswith(".")

@@ -37,8 +37,9 @@ def mixture_text(mapping: dict) -> str:
     entries = []
     for folder, weight in mapping.items():
         if isinstance(weight, bool) or not isinstance(weight, int | float) or "," in str(folder):
+            hint = " (YAML wants a space after each colon)" if weight is None and ":" in str(folder) else ""
             raise ConfigError(f"data.mixture maps each folder to a positive weight, as {{web: 0.7, code: 0.3}} or "
-                              f"'web:0.7,code:0.3', got {folder!r}: {weight!r}.")
+                              f"'web:0.7,code:0.3', got {folder!r}: {weight!r}{hint}.")
         entries.append(f"{folder}:{weight!r}")
     text = ",".join(entries)
     parse_mixture(text)
