@@ -68,7 +68,7 @@ def _decided(result):
 def _judged(codes_GNE, replayed, flips) -> RoutingCheck:
     """RoutingCheck over one step of one MoE layer: the layout's decisions `codes_GNE`, the reference's
     replay of them (its codes and flips), as the steps' metrics carry them."""
-    check = RoutingCheck(units=1, every=1, tolerance=TIE)
+    check = RoutingCheck(every=1, tolerance=TIE)
     ref_metrics = {"moe_routing_codes": np.asarray(replayed)[None],
                    "moe_routing_flips": np.asarray(flips.flipped_GN)[None],
                    "moe_routing_margins": np.asarray(flips.margin_GN)[None]}

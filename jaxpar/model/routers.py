@@ -64,15 +64,14 @@ def _dispatch_from_choices(choices_GNK, gates_GNK, E: int, C: int):
     kept = jnp.zeros((), jnp.float32)
     codes_GNE = jnp.zeros((G, N, E), jnp.float32)
     for k in range(K):
-        mask_GNE = jax.nn.one_hot(choices_GNK[..., k], E, dtype=jnp.float32)
-        position_GNE = _positions_in_expert(mask_GNE, filled_G1E)
-        mask_GNE = mask_GNE * (position_GNE < C)
+        chosen_GNE = jax.nn.one_hot(choices_GNK[..., k], E, dtype=jnp.float32)
+        position_GNE = _positions_in_expert(chosen_GNE, filled_G1E)
+        mask_GNE = chosen_GNE * (position_GNE < C)
         slot_GNEC = jax.nn.one_hot(position_GNE.astype(jnp.int32), C, dtype=jnp.float32) * mask_GNE[..., None]
         dispatch = dispatch + slot_GNEC
         combine = combine + slot_GNEC * gates_GNK[..., k, None, None]
         filled_G1E = filled_G1E + jnp.sum(mask_GNE, axis=1, keepdims=True)
         kept = kept + jnp.sum(mask_GNE)
-        chosen_GNE = jax.nn.one_hot(choices_GNK[..., k], E, dtype=jnp.float32)
         codes_GNE = codes_GNE + (k + 1) * (2 * mask_GNE - chosen_GNE)  # k + 1 kept, -(k + 1) dropped
     dropped = 1.0 - kept / (G * N * K)
     return dispatch, combine, dropped, codes_GNE

@@ -75,6 +75,10 @@ def _gather_rows(x: jax.Array, axes) -> jax.Array:
     return moved_as_bits(lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True), x)
 
 
+def _sum_rows(x: jax.Array, axes) -> jax.Array:
+    return scattered(x, axes, 0, x.dtype).astype(x.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def rows_gathered(x: jax.Array, axes) -> jax.Array:
     """Every shard's rows of a float x over `axes` (an all-gather); its gradient, each shard's rows summed
@@ -86,9 +90,8 @@ def rows_gathered(x: jax.Array, axes) -> jax.Array:
 def rows_summed(x: jax.Array, axes) -> jax.Array:
     """Each shard's rows of x summed over the shards of `axes` (`scattered` in x's dtype); its gradient,
     every shard's rows (an all-gather)."""
-    return scattered(x, axes, 0, x.dtype).astype(x.dtype)
+    return _sum_rows(x, axes)
 
 
-rows_gathered.defvjp(lambda x, axes: (_gather_rows(x, axes), None),
-                     lambda axes, _, grad: (scattered(grad, axes, 0, grad.dtype).astype(grad.dtype),))
-rows_summed.defvjp(lambda x, axes: (rows_summed(x, axes), None), lambda axes, _, grad: (_gather_rows(grad, axes),))
+rows_gathered.defvjp(lambda x, axes: (_gather_rows(x, axes), None), lambda axes, _, grad: (_sum_rows(grad, axes),))
+rows_summed.defvjp(lambda x, axes: (_sum_rows(x, axes), None), lambda axes, _, grad: (_gather_rows(grad, axes),))

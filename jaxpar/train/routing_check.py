@@ -18,18 +18,24 @@ WORST_REPORTED = 5  # the flips with the largest margins that the result lists
 
 
 class RoutingCheck:
-    """Ties and flips over a run's steps. units: the model's MoE layers (U); every: blocks per MoE
-    unit (the MoE block is a unit's last); tolerance: the policy's tie tolerance."""
+    """Ties and flips over a run's steps. every: blocks per MoE unit (the MoE block is a unit's last);
+    tolerance: the policy's tie tolerance."""
 
-    def __init__(self, units: int, every: int, tolerance: float):
-        self.units, self.every, self.tolerance = units, every, tolerance
+    def __init__(self, every: int, tolerance: float):
+        self.every, self.tolerance = every, tolerance
         self.ties = self.flips = 0
         self.worst: list[dict] = []
 
+    @staticmethod
+    def _summed(metrics, key: str) -> np.ndarray:
+        """A traced per-token metric (U, R, L, ...) as summed over the U MoE layers: the step reports it
+        averaged over them."""
+        values = np.asarray(metrics[key], np.float64)
+        return values * values.shape[0]
+
     def codes(self, metrics) -> np.ndarray:
-        """The decisions a step's metrics hold, (U, R, L, E) integers (the step reports them averaged over
-        the U layers: scaled back and rounded to the integers they are)."""
-        return np.rint(np.asarray(metrics["moe_routing_codes"], np.float64) * self.units)
+        """The decisions a step's metrics hold, (U, R, L, E) integers (rounded to the integers they are)."""
+        return np.rint(self._summed(metrics, "moe_routing_codes"))
 
     def replay_input(self, codes_URLE: np.ndarray) -> np.ndarray:
         """The decisions as the reference step takes them: per row, (R, U, L, E) in fp32."""
@@ -37,8 +43,8 @@ class RoutingCheck:
 
     def add(self, step: int, codes_URLE: np.ndarray, ref_metrics) -> None:
         """Judge one step: the layout's decisions, and the reference's metrics after replaying them."""
-        flipped = np.rint(np.asarray(ref_metrics["moe_routing_flips"], np.float64) * self.units) > 0
-        margins = np.asarray(ref_metrics["moe_routing_margins"], np.float64) * self.units
+        flipped = np.rint(self._summed(ref_metrics, "moe_routing_flips")) > 0
+        margins = self._summed(ref_metrics, "moe_routing_margins")
         unreproduced = np.any(self.codes(ref_metrics) != codes_URLE, axis=-1)
         margins = np.where(unreproduced, np.inf, margins)
         flipped |= unreproduced

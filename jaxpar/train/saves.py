@@ -40,10 +40,13 @@ class Saves:
 
     def due(self, step: int, stopping: bool) -> bool:
         """Whether step `step` is saved (read its metrics first: only a finite step is saved)."""
-        return stopping or bool(self.every and step % self.every == 0) or self.local.due(step)
+        return stopping or self._periodic(step) or self.local.due(step)
+
+    def _periodic(self, step: int) -> bool:
+        return bool(self.every and step % self.every == 0)
 
     def save(self, step: int, state, stopping: bool) -> None:
-        if stopping or (self.every and step % self.every == 0):
+        if stopping or self._periodic(step):
             self._timed(step, "checkpoint", lambda: self.checkpoints.save(step, state, self.trainer))
         if self.local.due(step):
             meta = {"step": step, "seed": self.cfg.train.seed, "config": self.cfg.to_dict(), "spec": state_spec(state)}
@@ -51,7 +54,7 @@ class Saves:
 
     def final(self, step: int, state) -> None:
         """The last step's checkpoint (checkpoint.final), unless a periodic one was just written."""
-        if self.cfg.checkpoint.final and not (self.every and step % self.every == 0):
+        if self.cfg.checkpoint.final and not self._periodic(step):
             self._timed(step, "checkpoint", lambda: self.checkpoints.save(step, state, self.trainer))
 
     def _timed(self, step: int, kind: str, save: Callable[[], None]) -> None:

@@ -29,7 +29,7 @@ class Trainer:
 
     def __init__(self, session: Session, model: Callable[[nnx.Rngs], nnx.Module] | None = None,
                  rules: Mapping | None = None, trace_routing: bool = False):
-        self.session, self.model, self.rules = session, model, rules
+        self.session, self.model, self.rules, self.trace_routing = session, model, rules, trace_routing
         self.plan = plan = StatePlan.build(session, model, rules)
         self.cfg, self.mesh, self.graphdef = session.cfg, session.mesh, plan.graphdef
         self.layout, self.pipeline, self.optimizer = plan.layout, plan.pipeline, plan.optimizer

@@ -60,9 +60,7 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
     gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
     ref_state = reference.put_state(layout.to_model_order(jax.device_get(gather(state))))
     from_zero = {key for key, value in flat_by_path(jax.device_get(ref_state.params)).items() if not np.any(value)}
-    moe = cfg.model.moe
-    routing = RoutingCheck(cfg.model.n_layers // moe.every, moe.every, policy.tie_tolerance) \
-        if moe.experts and layout.model is None else None
+    routing = RoutingCheck(cfg.model.moe.every, policy.tie_tolerance) if layout.trace_routing else None
     loss_errors, sampler = [], session.train_data
     for index in range(cfg.train.steps):
         starts = sampler.starts(index)
