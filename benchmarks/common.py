@@ -2,7 +2,7 @@
 stderr header, the host batches every layout gets, step timing, markdown tables and figures.
 
 Importing this module imports nothing outside the standard library, so the scripts import it
-first: jax must not start before `jaxpar.runtime.setup_devices` has set XLA_FLAGS (emulated CPU
+first: jax must not start before `jaxpar.runtime.devices.setup_devices` has set XLA_FLAGS (emulated CPU
 devices), and peer_maxtext.py runs on any Python, jaxpar or not. Each helper imports what it
 uses when it is called; the ones that start jax (time_steps, time_trainer, trainer_on) only
 after the script has set up its devices.
@@ -62,7 +62,7 @@ def parse_steps(parser: argparse.ArgumentParser) -> argparse.Namespace:
 def load_settings(settings: list[str]):
     """jaxpar's config from the optional CONFIG.yaml among `settings` (a word ending in .yaml or
     .yml, without '='), then the other words as key=value overrides."""
-    from jaxpar.presets import load_config
+    from jaxpar.config.presets import load_config
 
     yaml = [a for a in settings if a.endswith((".yaml", ".yml")) and "=" not in a]
     return load_config(yaml[0] if yaml else None, [a for a in settings if a not in yaml])
@@ -80,16 +80,16 @@ def run_line(devices: list, cfg, warmup: int, steps: int) -> str:
 
 
 def machine_record(devices: list, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict:
-    """jaxpar.machine's record of the machine: processor, native bf16, and a 2048^3 matmul's rate in
+    """jaxpar.plan.machine's record of the machine: processor, native bf16, and a 2048^3 matmul's rate in
     each of `dtypes`, measured now (a few seconds on a CPU). Every timing table carries it."""
-    from jaxpar import machine
+    from jaxpar.plan import machine
 
     return machine.describe(devices, dtypes)
 
 
 def machine_line(record: dict) -> str:
     """'machine: AMD EPYC, 2 cores, no native bf16; 2048^3 matmul: fp32 95 GFLOP/s, bf16 16 GFLOP/s'."""
-    from jaxpar import machine
+    from jaxpar.plan import machine
 
     return f"machine: {machine.line(record)}"
 
@@ -179,7 +179,7 @@ def curves_setup(doc: str, *, steps: int, min_steps: int, layout: list[str]):
     if args.steps < min_steps:
         parser.error(f"--steps must be at least {min_steps}")
     base = load_settings([*layout, f"train.steps={args.steps}", *args.settings])
-    from jaxpar.runtime import setup_devices
+    from jaxpar.runtime.devices import setup_devices
 
     return args.steps, base, setup_devices(base)
 

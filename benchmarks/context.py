@@ -33,8 +33,8 @@ from common import (
     trainer_on,
 )
 
-from jaxpar.presets import load_config
-from jaxpar.runtime import setup_devices
+from jaxpar.config.presets import load_config
+from jaxpar.runtime.devices import setup_devices
 
 MODEL = ["model.seq_len=4096", "train.batch_size=4", "model.attention=flash", "run.devices=4"]
 LAYOUTS = {

@@ -50,7 +50,7 @@ from common import load_settings  # noqa: E402
 
 CFG = load_settings([*PEER_FSDP8, *ARGS.settings])
 
-from jaxpar.runtime import setup_devices  # noqa: E402
+from jaxpar.runtime.devices import setup_devices  # noqa: E402
 
 DEVICES = setup_devices(CFG)
 
@@ -67,7 +67,7 @@ CATEGORIES = (
     ("optimizer update", "/optax/", None),
     ("ZeRO gathers / reductions", "jaxpar/parallel/hooks.py", None),
     ("ZeRO gathers / reductions", "jaxpar/parallel/reductions.py", None),
-    ("master-weight casts", "jaxpar/precision.py", None),
+    ("master-weight casts", "jaxpar/config/precision.py", None),
     ("RMSNorm", "jaxpar/model/layers.py", ("RMSNorm",)),
     ("logits / softmax / cross-entropy", "jaxpar/model/transformer.py", ("Transformer.logits",)),
     ("logits / softmax / cross-entropy", "jaxpar/train/chunked_loss.py", None),

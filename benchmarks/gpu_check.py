@@ -9,7 +9,7 @@ its own (so that each row's peak memory is its own):
   * configs/llama3_2_1b.yaml (Llama-3.2-1B's shape): batch 4 x 4096 tokens, full remat;
 in each precision jaxpar has for GPUs (bf16 now; fp8 joins this list when train.precision=fp8 lands),
 all on one device. Per row: the compile seconds, the median of the timed steps, tokens/s and MFU
-against the GPU's datasheet peak (jaxpar.plan.model_flops.utilization), and the device's peak bytes
+against the GPU's datasheet peak (jaxpar.train.model_flops.utilization), and the device's peak bytes
 in use after the steps against the compiled step's own figure (memory_analysis(): arguments +
 outputs - aliases + temporaries).
 
@@ -59,12 +59,12 @@ def measure_row(settings: list[str], steps: int, warmup: int) -> dict:
     """In this process: compile the row's step, run warm-up and timed steps, and read the memory."""
     from common import host_batches, load_settings, machine_record, time_steps, trainer_on
 
-    from jaxpar import precision
-    from jaxpar.runtime import setup_devices
+    from jaxpar.config import precision
+    from jaxpar.runtime.devices import setup_devices
 
     cfg = load_settings(settings)
     devices = setup_devices(cfg)
-    from jaxpar.plan.model_flops import utilization
+    from jaxpar.train.model_flops import utilization
 
     trainer = trainer_on(cfg, devices)
     start = time.perf_counter()

@@ -48,8 +48,8 @@ from pathlib import Path
 
 from common import RESULTS, device_line, markdown, pyplot, save_figure, trainer_on
 
-from jaxpar.presets import load_config
-from jaxpar.runtime import setup_devices
+from jaxpar.config.presets import load_config
+from jaxpar.runtime.devices import setup_devices
 
 MODEL_A = ["model.d_model=256", "model.n_layers=11", "model.n_heads=8", "model.d_ff=1024", "mesh.data=8"]
 DEEP_B = ["model.seq_len=256", "train.batch_size=64", "mesh.data=8"]

@@ -34,8 +34,8 @@ from pathlib import Path
 
 from common import RESULTS, host_batches, markdown, pyplot, run_line, save_figure, step_parser, time_trainer, trainer_on
 
-from jaxpar.presets import load_config
-from jaxpar.runtime import setup_devices
+from jaxpar.config.presets import load_config
+from jaxpar.runtime.devices import setup_devices
 from jaxpar.session import on_devices
 
 ROUTERS, EXPERT_DEGREES, CAPACITIES, AUX_WEIGHTS = ("topk", "switch", "expert_choice"), (1, 2, 4, 8), \
@@ -55,9 +55,9 @@ DEVICES = setup_devices(load_config(None, [f"run.dir={os.devnull}", *BASE]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpar.jsonl import read_jsonl  # noqa: E402
 from jaxpar.model.routers import capacity  # noqa: E402
 from jaxpar.plan import measure_step  # noqa: E402
+from jaxpar.runtime.jsonl import read_jsonl  # noqa: E402
 from jaxpar.session import prepare  # noqa: E402
 from jaxpar.train.loop import train  # noqa: E402
 

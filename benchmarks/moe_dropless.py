@@ -24,7 +24,7 @@ import sys
 
 from common import host_batches, load_settings, markdown, step_parser, time_trainer, trainer_on
 
-from jaxpar.runtime import setup_devices
+from jaxpar.runtime.devices import setup_devices
 
 BASE = ["mesh.data=2", "mesh.tensor=1", "mesh.expert=4", "model.moe.experts=8", "model.moe.every=2",
         "model.moe.top_k=2", "model.moe.noise=false"]

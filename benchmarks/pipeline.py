@@ -48,8 +48,8 @@ from common import (
     trainer_on,
 )
 
-from jaxpar.presets import load_config
-from jaxpar.runtime import setup_devices
+from jaxpar.config.presets import load_config
+from jaxpar.runtime.devices import setup_devices
 
 STAGES, DATA, MICROBATCHES = 4, 2, (4, 8, 16, 32)
 # label -> (schedule, virtual stages per device, recompute)

@@ -37,8 +37,8 @@ def measure(schedule: str, level: int) -> dict:
     """One schedule's figures, in this process (jaxpar is whichever checkout PYTHONPATH gives)."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
+    from jaxpar.config.presets import load_config
     from jaxpar.plan.memory import measure_step
-    from jaxpar.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 

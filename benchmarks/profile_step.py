@@ -15,7 +15,7 @@ per step and per device (thread time divided by steps x devices):
   * the top K ops with their opcode and output shape.
 Thread time on emulated devices is CPU time shared by all devices, so compare shares, not
 absolute milliseconds, and only from runs on an otherwise idle machine. The machine's line
-(jaxpar.machine: processor, native bf16, matmul rates) heads the tables; the last line is JSON.
+(jaxpar.plan.machine: processor, native bf16, matmul rates) heads the tables; the last line is JSON.
 benchmarks/fp32_ops.py gives the same step's ops by dtype from the compiled program alone.
 """
 
@@ -30,7 +30,7 @@ import tempfile
 
 from common import git_commit, load_settings, machine_line, machine_record, parse_steps, step_parser
 
-from jaxpar.runtime import setup_devices
+from jaxpar.runtime.devices import setup_devices
 
 parser = step_parser(__doc__, steps=3, warmup=2, config_file=True, steps_help="traced steps (default %(default)s)",
                      warmup_help="untimed steps first, compile included (default %(default)s)")

@@ -12,10 +12,10 @@ The config is jaxpar's (defaults: the tiny model). In one process the script tim
 Each runs W warm-up steps (compilation included), then N steps timed one by one, each ending
 in `jax.block_until_ready`. Reported: median step time and tokens/s = batch_size*seq_len /
 median, and model FLOPs utilization, as a markdown table under the machine's line and, on the
-last line, as JSON. MFU is jaxpar.plan.model_flops: 6 x the active parameters a token multiplies
+last line, as JSON. MFU is jaxpar.train.model_flops: 6 x the active parameters a token multiplies
 by (for a mixture of experts, the router and the top-k experts a token uses, not all E) +
 attention FLOPs per token, against the peak in the compute dtype (the precision policy's): on a
-CPU the machine's measured 2048^3 matmul rate (jaxpar.machine, measured at the start; every
+CPU the machine's measured 2048^3 matmul rate (jaxpar.plan.machine, measured at the start; every
 emulated device shares it), on a GPU its datasheet peak x the devices (bf16/fp16 tensor cores,
 TF32 for fp32; --peak-tflops overrides the per-device peak).
 """
@@ -40,8 +40,8 @@ from common import (
 )
 
 from jaxpar.config import ConfigError
-from jaxpar.runtime import setup_devices
-from jaxpar.validation import validate
+from jaxpar.config.validation import validate
+from jaxpar.runtime.devices import setup_devices
 
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).
 parser = step_parser(__doc__, steps=10, warmup=3, config_file=True)
@@ -57,9 +57,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar import precision  # noqa: E402
+from jaxpar.config import precision  # noqa: E402
 from jaxpar.model import Transformer  # noqa: E402
-from jaxpar.plan.model_flops import utilization  # noqa: E402
+from jaxpar.train.model_flops import utilization  # noqa: E402
 
 
 def baseline_seconds(cfg, device, batches: list[np.ndarray], warmup: int) -> float:

@@ -35,8 +35,8 @@ import sys
 
 from common import host_batches, markdown, parse_steps, run_line, step_parser, time_steps, trainer_on
 
-from jaxpar.presets import load_config
-from jaxpar.runtime import setup_devices
+from jaxpar.config.presets import load_config
+from jaxpar.runtime.devices import setup_devices
 
 STAGES, DATA, MICROBATCHES, SCHEDULES = 4, 2, (8, 16), ("1f1b", "zb-h1", "zbv")
 MODEL = ["model.n_layers=8", "train.batch_size=64"]
@@ -49,7 +49,7 @@ BASE = [f"run.dir={os.devnull}", *MODEL, *ARGS.overrides]
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).
 DEVICES = setup_devices(load_config(None, BASE))
 
-from jaxpar import precision  # noqa: E402
+from jaxpar.config import precision  # noqa: E402
 from jaxpar.parallel.pipeline import BRANCHES, TICK_SCOPE, branch_of, compiled_branches  # noqa: E402
 from jaxpar.parallel.schedule_timing import idle_fraction, timeline  # noqa: E402
 from jaxpar.plan.calibrate import profile  # noqa: E402

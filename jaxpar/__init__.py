@@ -6,8 +6,8 @@ Importing jaxpar does not import jax; the submodules below do.
 """
 
 from jaxpar.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, RunConfig, TrainConfig
+from jaxpar.config.presets import load_config
 from jaxpar.errors import UserError
-from jaxpar.presets import load_config
 
 __version__ = "0.1.0"
 

@@ -16,8 +16,8 @@ import sys
 import time
 
 from jaxpar.config import ConfigError, flatten_dict
+from jaxpar.config.presets import load_config, parse_override
 from jaxpar.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, RunFailed, UserError
-from jaxpar.presets import load_config, parse_override
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -37,11 +37,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     started = time.time()  # the process's start, for goodput: device setup and restore are part of a (re)start
     cfg = _load(args.settings, {"run.elastic": True} if args.elastic else None)
     if cfg.run.elastic:  # the devices first, then the layout for them
-        from jaxpar.plan.replan import prepare_elastic as prepare
+        from jaxpar.runtime.replan import prepare_elastic as prepare
     else:
         from jaxpar.session import prepare
     session = prepare(cfg)
-    from jaxpar.goodput import describe
+    from jaxpar.runtime.goodput import describe
     from jaxpar.train.loop import NonFiniteLoss, train
 
     try:
@@ -52,7 +52,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     if "preempted" in summary:
         return 0  # the loop has said where the checkpoint is
-    from jaxpar import distributed
+    from jaxpar.runtime import distributed
 
     if distributed.is_secondary():
         return 0  # process 0 reports for the whole run
@@ -79,7 +79,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from jaxpar.session import prepare
 
     session = prepare(cfg)
-    from jaxpar import distributed
+    from jaxpar.runtime import distributed
     from jaxpar.train.verify import verify
 
     primary = not distributed.is_secondary()  # process 0 reports for a multi-process run
@@ -94,12 +94,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--memory-gb, --top and --processes belong to a layout search; add --search.")
     if args.search:
         return _plan_search(args)
-    from jaxpar.runtime import setup_devices
+    from jaxpar.runtime.devices import setup_devices
     from jaxpar.session import on_devices
 
     cfg = _load(args.settings)
     session = on_devices(cfg, setup_devices(cfg))  # shapes only: no data is read, so any seq_len plans
-    from jaxpar.plan import format_report, measure_step
+    from jaxpar.plan.memory import format_report, measure_step
     from jaxpar.train.trainer import Trainer
 
     trainer = Trainer(session)
@@ -112,7 +112,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan["predicted"] = predict_layout(plan, profile(args.hardware, session.devices), session.cfg,
                                            session.mesh_sizes,
                                            table.idle_fraction if table is not None else 0.0).to_dict()
-    from jaxpar import distributed
+    from jaxpar.runtime import distributed
 
     if not distributed.is_secondary():  # per-device figures: every process compiled the same program
         print(format_report(plan))
@@ -121,8 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_search(args: argparse.Namespace) -> int:
-    from jaxpar import distributed
-    from jaxpar.switches import MESH_KEYS, SEARCHED_KEYS
+    from jaxpar.config.switches import MESH_KEYS, SEARCHED_KEYS
+    from jaxpar.runtime import distributed
 
     if distributed.from_environment() is not None:
         raise ConfigError("plan --search compiles every layout in one process; run it outside jaxpar launch.")
@@ -137,15 +137,15 @@ def _plan_search(args: argparse.Namespace) -> int:
     given = {key for key, _ in map(parse_override, overrides)}
     flat = flatten_dict(cfg.to_dict())
     fixed = {k: flat[k] for k in SEARCHED_KEYS if k in given and not (k in MESH_KEYS and flat[k] == -1)}
-    from jaxpar.runtime import setup_devices
+    from jaxpar.runtime.devices import setup_devices
 
     devices = setup_devices(cfg)
-    from jaxpar import precision
-    from jaxpar.hardware import PROFILES, for_device_kind
+    from jaxpar.config import precision
     from jaxpar.plan import search_report
     from jaxpar.plan.calibrate import profile
-    from jaxpar.plan.model_flops import flops_per_token
+    from jaxpar.plan.hardware import PROFILES, for_device_kind
     from jaxpar.plan.search import search
+    from jaxpar.train.model_flops import flops_per_token
 
     name = args.hardware or ("cpu" if devices[0].platform == "cpu" else for_device_kind(devices[0].device_kind))
     if name is None:
@@ -166,7 +166,7 @@ def _plan_search(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from jaxpar.command_flags import check_schedule_flags
+    from jaxpar.config.command_flags import check_schedule_flags
     from jaxpar.parallel.schedule_timing import Costs
     from jaxpar.parallel.schedules import SCHEDULES, build
     from jaxpar.plan.schedule_chart import draw, summary, text_chart
@@ -209,7 +209,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxpar.generate import generate
+    from jaxpar.train.generate import generate
 
     result = generate(args.source, args.prompt, args.tokens, args.temperature, args.seed, args.step)
     print(result["text"])
@@ -219,9 +219,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from jaxpar.command_flags import check_launch_flags
-    from jaxpar.elastic import check_restart_flags
-    from jaxpar.launch import launch
+    from jaxpar.config.command_flags import check_launch_flags
+    from jaxpar.runtime.elastic import check_restart_flags
+    from jaxpar.runtime.launch import launch
 
     command = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
     check_launch_flags(args.processes, args.devices_per_process, command)
@@ -232,7 +232,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return launch(args.processes, command, args.devices_per_process, args.grace, args.verbose)
     from pathlib import Path
 
-    from jaxpar.supervisor import Policy, Supervisor
+    from jaxpar.runtime.supervisor import Policy, Supervisor
 
     policy = Policy(args.restarts, args.backoff, args.elastic, args.min_processes or 1, args.regrow_after,
                     args.health_check)
@@ -257,7 +257,7 @@ def _add_command(sub, name: str, run, help: str, reads_config: bool = False, **o
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for all subcommands."""
-    from jaxpar import command_flags
+    from jaxpar.config import command_flags
 
     parser = argparse.ArgumentParser(prog="jaxpar", description="Train transformer LMs across many devices with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -289,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     """`jaxpar launch`: the processes, their devices and their supervision."""
-    from jaxpar.launch import DEFAULT_GRACE_S
-    from jaxpar.supervisor import add_restart_flags
+    from jaxpar.runtime.launch import DEFAULT_GRACE_S
+    from jaxpar.runtime.supervisor import add_restart_flags
 
     p.add_argument("--processes", type=int, required=True, help="number of processes N")
     p.add_argument("--devices-per-process", type=int, help="devices per process K (emulated CPU devices, or GPUs)")
@@ -304,7 +304,7 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_plan(sub) -> None:
     """`jaxpar plan` and its search."""
-    from jaxpar.hardware import PROFILES
+    from jaxpar.plan.hardware import PROFILES
 
     p = _add_command(sub, "plan", cmd_plan, "compile the step and report per-device memory, FLOPs and collectives; "
                                             "--search ranks every layout by predicted step time", reads_config=True)
@@ -346,7 +346,7 @@ def _add_open_weights(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxpar` console script."""
-    from jaxpar import distributed
+    from jaxpar.runtime import distributed
 
     args = build_parser().parse_args(argv)
     try:

@@ -7,19 +7,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxpar import precision
-from jaxpar.config import Config
-from jaxpar.data import BatchSampler, load_tokens, split_tokens
+from jaxpar.config import Config, precision
+from jaxpar.config.precision import PrecisionPolicy
+from jaxpar.config.switches import layout_name
+from jaxpar.config.validation import check_attention_platform, validate, with_derived
+from jaxpar.data.corpus import load_tokens, split_tokens
+from jaxpar.data.loader import BatchSampler
 from jaxpar.data.mixture import mixture_samplers
 from jaxpar.data.packing import packed_samplers
 from jaxpar.data.sources import parse_mixture
 from jaxpar.data.token_folder import TextCodec, has_loss_mask, tokenizer_folder
 from jaxpar.errors import DataError
 from jaxpar.interop.hf_config import resolve as resolve_hf
-from jaxpar.precision import PrecisionPolicy
-from jaxpar.runtime import make_mesh, setup_devices
-from jaxpar.switches import layout_name
-from jaxpar.validation import check_attention_platform, validate, with_derived
+from jaxpar.runtime.devices import make_mesh, setup_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +59,12 @@ class Session:
         return " ".join(f"{axis}={size}" for axis, size in self.mesh_sizes.items() if size > 1) or "single device"
 
     def layout_name(self) -> str:
-        """The whole layout, such as 'data=4 tensor=2 grad_accum=2 bf16' (jaxpar.switches)."""
+        """The whole layout, such as 'data=4 tensor=2 grad_accum=2 bf16' (jaxpar.config.switches)."""
         return layout_name(self.cfg, self.mesh_sizes)
 
     @functools.cached_property
     def precision(self) -> PrecisionPolicy:
-        """Every dtype decision of the run (jaxpar.precision), resolved once."""
+        """Every dtype decision of the run (jaxpar.config.precision), resolved once."""
         return precision.of(self.cfg)
 
     @functools.cached_property

@@ -26,7 +26,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
-from jaxpar.presets import load_config  # noqa: E402
+from jaxpar.config.presets import load_config  # noqa: E402
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def ten_steps(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def trainer():
     """A trainer for the layout of `ten_steps`, shared by tests that only restore."""
-    from jaxpar.presets import load_config
+    from jaxpar.config.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 

@@ -35,7 +35,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, capsys, re
 @pytest.mark.slow
 def test_a_completed_run_keeps_its_final_state_unless_told_not_to(tmp_path, capsys):
     """checkpoint.every=0 (the default) still leaves the last step for export-hf, generate and a resume."""
-    from jaxpar.generate import generate
+    from jaxpar.train.generate import generate
 
     code, _ = train_here(capsys, tmp_path / "kept", "train.steps=2")
     assert code == 0 and checkpoint_steps(tmp_path / "kept") == [2]
@@ -69,7 +69,7 @@ def test_the_final_save_is_made_once(overrides, saved):
 
 @pytest.mark.slow
 def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
-    from jaxpar.presets import load_config
+    from jaxpar.config.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.checkpoint import Checkpoints, flat_by_path
     from jaxpar.train.trainer import Trainer
@@ -122,7 +122,7 @@ PIPELINES = {
 def test_restore_across_pipeline_layouts(tmp_path):
     """Interleaved stages store their layers permuted and 2BW keeps a second copy of the weights;
     checkpoints hold layers in model order, so they move between these and plain layouts."""
-    from jaxpar.presets import load_config
+    from jaxpar.config.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.checkpoint import Checkpoints, flat_by_path
     from jaxpar.train.trainer import Trainer

@@ -261,7 +261,7 @@ def test_an_error_that_is_not_damage_ends_the_run_and_moves_nothing(error, tmp_p
 
 
 def test_a_fallback_trims_metrics_to_the_restored_step_and_keeps_the_file(tmp_path):
-    from jaxpar.presets import load_config
+    from jaxpar.config.presets import load_config
     from jaxpar.train.loop import trim_metrics
 
     cfg = load_config(BASE[0], [*BASE[1:], "train.steps=10"])

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from helpers import SMALL_MODEL
 
-from jaxpar import loss_chunks
-from jaxpar.config import Config
+from jaxpar.config import Config, loss_chunks
+from jaxpar.config.presets import load_config
 from jaxpar.plan import measure_step
-from jaxpar.presets import load_config
 from jaxpar.session import prepare
 from jaxpar.train.checkpoint import flat_by_path
 from jaxpar.train.trainer import Trainer

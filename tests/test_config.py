@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from jaxpar.config import Config, ConfigError, MeshConfig, all_keys
-from jaxpar.presets import load_config
-from jaxpar.validation import resolve_mesh, validate
+from jaxpar.config.presets import load_config
+from jaxpar.config.validation import resolve_mesh, validate
 
 
 def test_public_key_names_are_stable():

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from jaxpar.config.precision import POLICIES
 from jaxpar.parallel import context
 from jaxpar.plan import measure_step
-from jaxpar.precision import POLICIES
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
 
@@ -141,8 +141,8 @@ def test_the_ring_sends_each_key_value_block_once_a_step(session_for):
 
 def _planned(*overrides: str) -> dict:
     """`jaxpar plan`'s figures (shapes only: no data is read, so the built-in corpus's length is no limit)."""
-    from jaxpar.presets import load_config
-    from jaxpar.runtime import setup_devices
+    from jaxpar.config.presets import load_config
+    from jaxpar.runtime.devices import setup_devices
     from jaxpar.session import on_devices
 
     cfg = load_config(None, list(overrides))
@@ -160,8 +160,8 @@ def test_a_long_sequence_split_eight_ways_needs_a_fifth_of_the_memory():
 
 
 def test_the_search_tries_context_sizes_while_a_chunk_holds_a_key_block():
+    from jaxpar.config.presets import load_config
     from jaxpar.plan.search import enumerate_layouts
-    from jaxpar.presets import load_config
 
     long = load_config(None, ["model.seq_len=4096", "model.attention=flash"])  # key blocks of 512
     tried = {(rungs[0].get("mesh.context", 1), rungs[0].get("parallel.context_attention"))

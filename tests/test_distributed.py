@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from test_docs import marked_block, shell_commands
 
-from jaxpar import distributed
 from jaxpar.config import ConfigError, MeshConfig
-from jaxpar.distributed import CoordinatorFailed, ProcessSetup, StopAgreement, from_environment
+from jaxpar.config.validation import host_split
 from jaxpar.errors import EXIT_LOST
-from jaxpar.validation import host_split
+from jaxpar.runtime import distributed
+from jaxpar.runtime.distributed import CoordinatorFailed, ProcessSetup, StopAgreement, from_environment
 
 # no text sample at the end of a run, but for the one test that checks that both processes generate it
 TINY = ["model.d_model=64", "model.n_layers=2", "model.seq_len=64", "train.batch_size=16", "train.log_every=1",

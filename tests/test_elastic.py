@@ -24,8 +24,8 @@ from helpers import checkpoint_steps
 from test_docs import fenced_blocks
 
 from jaxpar.config import Config, ConfigError
-from jaxpar.elastic import keep_rows, rows_per_device
-from jaxpar.goodput import current_job, goodput
+from jaxpar.runtime.elastic import keep_rows, rows_per_device
+from jaxpar.runtime.goodput import current_job, goodput
 from jaxpar.train.local_copy import run_folder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -430,7 +430,7 @@ def test_an_elastic_start_keeps_the_configs_mesh_when_it_fits_and_else_takes_the
         tmp_path, monkeypatch, capsys):
     import jax
 
-    from jaxpar.plan import replan as replan_module
+    from jaxpar.runtime import replan as replan_module
 
     (tmp_path / "elastic.json").write_text(json.dumps({"rows_per_device": 2, "devices": 8}))
     base = Config().replace(**{"train.batch_size": 16, "run.dir": str(tmp_path)})
@@ -457,8 +457,8 @@ def test_an_elastic_start_keeps_the_configs_mesh_when_it_fits_and_else_takes_the
 
 
 def test_an_elastic_replan_searches_the_mesh_and_microbatches_with_the_recipe_held():
-    from jaxpar.plan.replan import held_settings
     from jaxpar.plan.search import enumerate_layouts
+    from jaxpar.runtime.replan import held_settings
 
     written = Config().replace(**{"model.n_layers": 4, "train.batch_size": 16, "mesh.data": 2, "mesh.tensor": 4,
                                   "parallel.zero": 3, "train.remat": "full"})

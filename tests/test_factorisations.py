@@ -17,11 +17,11 @@ import math
 import pytest
 
 from jaxpar.config import MESH_AXES, ConfigError
-from jaxpar.presets import load_config
+from jaxpar.config.presets import load_config
+from jaxpar.config.validation import resolve_mesh
 from jaxpar.session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
-from jaxpar.validation import resolve_mesh
 
 DEVICES = 8
 # Heads, FFN and vocabulary divide by 8; 16 sequences divide by data x expert x microbatches

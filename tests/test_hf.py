@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.cli import main
-from jaxpar.presets import load_config
+from jaxpar.config.presets import load_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 DENSE = ("llama", "mistral", "qwen2", "qwen3")

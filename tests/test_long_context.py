@@ -7,9 +7,9 @@ Config errors for these keys are rows of tests/test_cli_errors.py's BAD_INPUTS t
 
 import pytest
 
+from jaxpar.config.precision import POLICIES
 from jaxpar.parallel.rules import RULES, layout_rules, logical_to_spec
 from jaxpar.plan import collectives, measure_step
-from jaxpar.precision import POLICIES
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
 

@@ -1,11 +1,11 @@
-"""The machine record every speed figure carries (jaxpar.machine), and MFU against it."""
+"""The machine record every speed figure carries (jaxpar.plan.machine), and MFU against it."""
 
 import jax
 import pytest
 
-from jaxpar import machine
 from jaxpar.config import Config
-from jaxpar.plan.model_flops import active_params, flops_per_token, utilization
+from jaxpar.plan import machine
+from jaxpar.train.model_flops import active_params, flops_per_token, utilization
 
 
 def test_the_record_names_the_processor_native_bf16_and_measured_rates(monkeypatch):

@@ -19,7 +19,7 @@ def plans():
     """Measure each named layout once per test module."""
     import os
 
-    from jaxpar.presets import load_config
+    from jaxpar.config.presets import load_config
     from jaxpar.session import prepare
 
     cache = {}

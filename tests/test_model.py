@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ModelConfig
 from jaxpar.model import LOGICAL_AXES, Transformer
 from jaxpar.parallel import RULES, Layout, logical_to_spec
-from jaxpar.runtime import make_mesh
+from jaxpar.runtime.devices import make_mesh
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "jaxpar" / "model"
 

@@ -6,8 +6,8 @@ import os
 import pytest
 from helpers import SMALL_MODEL
 
+from jaxpar.config.presets import load_config
 from jaxpar.plan import measure_step
-from jaxpar.presets import load_config
 from jaxpar.session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxpar.config.presets import load_config
 from jaxpar.data import BatchSampler, load_tokens
 from jaxpar.model import Transformer
-from jaxpar.presets import load_config
 from jaxpar.train.step import RowInputs, objective, row_keys
 
 # This module's fixtures are built once, on one pytest-xdist worker

@@ -6,7 +6,7 @@ import json
 import pytest
 from helpers import resumed_run_matches
 
-from jaxpar.precision import POLICIES
+from jaxpar.config.precision import POLICIES
 from jaxpar.train import verify_local as verify_local_module
 from jaxpar.train.verify import verify
 
@@ -15,7 +15,7 @@ TINY = ["configs/tiny_test.yaml", "train.steps=3", "mesh.tensor=1"]
 
 @pytest.fixture
 def tiny(tmp_path):
-    from jaxpar.presets import load_config
+    from jaxpar.config.presets import load_config
     from jaxpar.session import prepare
 
     def build(*overrides):

@@ -12,14 +12,14 @@ import pytest
 from flax import nnx
 from helpers import SMALL_MODEL
 
+from jaxpar.config.precision import POLICIES
+from jaxpar.config.presets import load_config
 from jaxpar.data.document_readers import DocumentSpec
 from jaxpar.data.documents import Documents
 from jaxpar.data.packing import ConcatSampler, PackSampler
 from jaxpar.model import Transformer
 from jaxpar.model.flash import flash_attention
 from jaxpar.model.segments import Segments
-from jaxpar.precision import POLICIES
-from jaxpar.presets import load_config
 from jaxpar.train.step import token_loss
 from jaxpar.train.verify import verify
 

@@ -98,8 +98,8 @@ def test_gpipe_sends_activations_forward_and_their_cotangents_back():
     stages by collective-permute at each of the M + S - 1 forward ticks, and autodiff's transpose
     sends their cotangents back as often; the last chunk's outputs (all M microbatches) reach every
     stage in one all-reduce over `stage`, for the head spread over the stages."""
+    from jaxpar.config.presets import load_config
     from jaxpar.plan import measure_step
-    from jaxpar.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 
@@ -145,8 +145,8 @@ def test_1f1b_bounds_activation_memory_by_stages_not_microbatches():
     """At S=4, M=16, with activations dominating, 1F1B needs at most half of GPipe's temporaries."""
     import os
 
+    from jaxpar.config.presets import load_config
     from jaxpar.plan import measure_step
-    from jaxpar.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 
@@ -169,8 +169,8 @@ def test_1f1b_executes_the_matmuls_of_data_parallelism_and_recompute_adds_a_forw
     With recompute=true every backward redoes its forward: F + (F + 2F) = 4/3 of 3F."""
     import os
 
+    from jaxpar.config.presets import load_config
     from jaxpar.plan import measure_step
-    from jaxpar.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 

@@ -8,12 +8,12 @@ import jax
 import pytest
 
 from jaxpar.cli import main
-from jaxpar.hardware import Hardware
-from jaxpar.plan.model_flops import matmul_flops_floor
+from jaxpar.config.presets import load_config
+from jaxpar.config.validation import validate
+from jaxpar.plan.hardware import Hardware
 from jaxpar.plan.roofline import predict
 from jaxpar.plan.search import enumerate_layouts, floor_seconds, search
-from jaxpar.presets import load_config
-from jaxpar.validation import validate
+from jaxpar.train.model_flops import matmul_flops_floor
 
 # A made-up profile with round numbers, so the expected figures below can be worked out by hand.
 ROUND = Hardware("round", {"float32": 1e9, "bfloat16": 2e9, "float16": 2e9}, 1e12, 8, 1e8, 1e7, 1e-3, 1e-2, True,
@@ -158,7 +158,7 @@ def test_cpu_profile_is_measured_once(own_cache, tmp_path):
     from jaxpar.plan import calibrate
 
     first = calibrate.cpu_profile(jax.devices())
-    assert set(first.peak_flops) == {"float32", "bfloat16", "float16"}  # by compute dtype (jaxpar.precision)
+    assert set(first.peak_flops) == {"float32", "bfloat16", "float16"}  # by compute dtype (jaxpar.config.precision)
     assert all(0 < v < math.inf for v in first.peak_flops.values())
     machine = first.machine  # the machine it was measured on
     assert machine["processor"] and machine["native_bf16"] in (True, False) and machine["devices"] == 8

@@ -8,9 +8,9 @@ from flax import nnx
 from helpers import SMALL_MODEL, metrics, run_jaxpar_commands_at_level_1
 
 from jaxpar.config import ModelConfig
+from jaxpar.config.precision import INITIAL_FP16_SCALE, POLICIES
 from jaxpar.data import BatchSampler, load_tokens
 from jaxpar.model import Transformer
-from jaxpar.precision import INITIAL_FP16_SCALE, POLICIES
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.step import token_loss
 from jaxpar.train.trainer import Trainer

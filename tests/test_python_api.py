@@ -11,8 +11,8 @@ from flax import nnx
 from test_docs import marked_block
 
 from jaxpar.config import ConfigError
+from jaxpar.config.presets import load_config
 from jaxpar.model import constrain
-from jaxpar.presets import load_config
 from jaxpar.session import prepare
 from jaxpar.train.verify import verify
 

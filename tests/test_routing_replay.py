@@ -11,8 +11,8 @@ import pytest
 from helpers import SMALL_MODEL
 
 import jaxpar.model.routers as routers
-from jaxpar.precision import POLICIES
-from jaxpar.presets import load_config
+from jaxpar.config.precision import POLICIES
+from jaxpar.config.presets import load_config
 from jaxpar.session import on_devices, prepare
 from jaxpar.train.routing_check import RoutingCheck
 from jaxpar.train.trainer import Trainer
@@ -152,7 +152,7 @@ def test_a_router_broken_on_one_device_fails_verify_with_flips_beyond_the_tolera
 def test_the_tie_tolerance_widens_with_what_the_policy_rounds():
     """A few fp32 ulps when nothing rounds; wider when the gradients are reduced in bf16; wider still when
     the activations are bf16 or fp16 (each measured on verify's layouts: docs/moe.md)."""
-    from jaxpar.precision import policy
+    from jaxpar.config.precision import policy
 
     exact, reduced, half = policy("fp32").tie_tolerance, policy("fp32", "bf16").tie_tolerance, \
         policy("bf16").tie_tolerance

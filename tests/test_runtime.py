@@ -3,9 +3,9 @@ devices found."""
 
 import pytest
 
-from jaxpar import runtime
 from jaxpar.config import ConfigError
-from jaxpar.validation import check_device_count
+from jaxpar.config.validation import check_device_count
+from jaxpar.runtime import devices as runtime
 
 
 def test_gpu_host_gets_the_latency_hiding_scheduler_unless_the_user_set_xla_flags(monkeypatch):

@@ -1,5 +1,6 @@
-"""The code's shape, checked as code: no import cycles, small modules and functions, and one place
-for each decision (the precision policy, ZeRO's capabilities)."""
+"""The code's shape, checked as code: no import cycles, short chains of module-level imports, a short
+top level, small modules and functions, and one place for each decision (the precision policy,
+ZeRO's capabilities)."""
 
 import ast
 import re
@@ -9,13 +10,14 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "jaxpar"
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+MAX_IMPORT_CHAIN, MAX_TOP_LEVEL_MODULES = 10, 10
 
 
-def modules() -> dict[str, Path]:
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
     """Every module of the package by dotted name (a package by its own name)."""
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
@@ -23,16 +25,54 @@ def modules() -> dict[str, Path]:
 def imports(path: Path, known: dict) -> set[str]:
     """The package's modules that `path` imports anywhere (module level, inside functions, under
     TYPE_CHECKING): `from pkg import sub` names the submodule, `from mod import name` the module."""
+    return set().union(*(_named(node, known) for node in ast.walk(ast.parse(path.read_text()))))
+
+
+def _named(node: ast.AST, known: dict) -> set[str]:
+    """The package's modules an import statement names (see `imports`); none for other statements."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in known}
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in known:
+        subs = {f"{node.module}.{alias.name}" for alias in node.names} & known.keys()
+        return subs | ({node.module} if len(subs) < len(node.names) else set())
+    return set()
+
+
+def module_level_imports(path: Path, known: dict) -> set[str]:
+    """The package's modules that importing `path` imports: its statements outside functions (in
+    `if`, `try`, `with` and class bodies too), except those under `if TYPE_CHECKING`."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name in known)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in known:
-            subs = {f"{node.module}.{alias.name}" for alias in node.names} & known.keys()
-            found.update(subs or {node.module})
-            if len(subs) < len(node.names):  # names that are not submodules come from the module itself
-                found.add(node.module)
+
+    def visit(statements):
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            found.update(_named(node, known))
+            for block in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, block, None) or [])
+
+    visit(ast.parse(path.read_text()).body)
     return found
+
+
+def longest_chain(graph: dict[str, set[str]]) -> tuple[str, ...]:
+    """The longest path of an acyclic import graph, as the modules along it."""
+    longest: dict[str, tuple[str, ...]] = {}
+
+    def chain(v):
+        if v not in longest:
+            longest[v] = (v, *max((chain(w) for w in sorted(graph[v])), key=len, default=()))
+        return longest[v]
+
+    return max((chain(v) for v in sorted(graph)), key=len, default=())
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    known = modules(package)
+    return {name: module_level_imports(path, known) - {name} for name, path in known.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -76,6 +116,32 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_module_level_import_chains_stay_short():
+    chain = longest_chain(import_graph(PACKAGE))
+    assert len(chain) <= MAX_IMPORT_CHAIN, " -> ".join(chain)
+
+
+def test_the_chain_finder_sees_a_deep_chain_and_only_module_level_imports(tmp_path):
+    package = tmp_path / "deep"
+    (package / "inner").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "inner" / "__init__.py").write_text("")
+    names = [f"deep.m{i}" for i in range(MAX_IMPORT_CHAIN)] + ["deep.inner.last"]
+    for name, following in zip(names, names[1:] + [None]):
+        lines = ["from typing import TYPE_CHECKING", "if TYPE_CHECKING:", "    import deep.m0",
+                 "def later():", "    import deep.m0"]  # neither counts: both would close a cycle
+        if following is not None:
+            parent, _, leaf = following.rpartition(".")
+            lines.insert(0, f"from {parent} import {leaf}" if name.endswith("m3") else f"import {following}")
+        (tmp_path / (name.replace(".", "/") + ".py")).write_text("\n".join(lines) + "\n")
+    chain = longest_chain(import_graph(package))
+    assert chain == tuple(names) and len(chain) > MAX_IMPORT_CHAIN
+
+
+def test_the_top_level_stays_short():
+    assert len(sorted(PACKAGE.glob("*.py"))) <= MAX_TOP_LEVEL_MODULES
+
+
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_modules_and_functions_stay_small(path):
     text = path.read_text()
@@ -95,13 +161,13 @@ def sources_outside(*allowed: str):
 def test_only_the_precision_policy_compares_the_precision_with_a_string():
     compare = re.compile(r"precision\s*(==|!=|in|not in)\s*[\"'(\[]"
                          r"|[\"'](fp32|bf16|fp16)[\"']\s*(==|!=)\s*\S*precision")
-    found = [f"{path.name}: {line.strip()}" for path, text in sources_outside("precision.py")
+    found = [f"{path.name}: {line.strip()}" for path, text in sources_outside("config/precision.py")
              for line in text.splitlines() if compare.search(line)]
     assert found == []
 
 
 def test_only_the_layout_compares_the_zero_stage_with_a_number():
     compare = re.compile(r"zero\s*(==|!=|>=|<=|>|<|in|not in)\s*[\d(]|(stage)\s*(>=|<=|>|<)\s*\d")
-    found = [f"{path.name}: {line.strip()}" for path, text in sources_outside("switches.py")
+    found = [f"{path.name}: {line.strip()}" for path, text in sources_outside("config/switches.py")
              for line in text.splitlines() if compare.search(line) and "zero" in line]
     assert found == []

@@ -3,7 +3,7 @@
 import pytest
 from helpers import SMALL_MODEL
 
-from jaxpar.precision import POLICIES
+from jaxpar.config.precision import POLICIES
 from jaxpar.train import verify as verify_module
 from jaxpar.train.verify import verify
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from helpers import SMALL_MODEL
 
+from jaxpar.config.presets import load_config
 from jaxpar.errors import ConfigError
-from jaxpar.presets import load_config
 from jaxpar.session import prepare
 from jaxpar.train.verify import verify
 

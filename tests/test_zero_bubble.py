@@ -174,8 +174,8 @@ def test_zero_bubble_runs_each_matmul_once_within_1f1b_memory():
     tests/test_pipeline.py), and need at most 1.1x (ZB-H1) and 1.2x (ZB-V) its temporaries."""
     import os
 
+    from jaxpar.config.presets import load_config
     from jaxpar.plan import measure_step
-    from jaxpar.presets import load_config
     from jaxpar.session import prepare
     from jaxpar.train.trainer import Trainer
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from jaxpar.data.chat import ChatFormat
 from jaxpar.data.document_readers import DocumentSpec, check_inputs, documents
+from jaxpar.data.folders import is_free, new_folder
 from jaxpar.data.token_folder import (
     COMPANION_FILES,
     FORMAT,
@@ -36,7 +37,6 @@ from jaxpar.data.token_folder import (
     tokenizer_settings,
 )
 from jaxpar.errors import DataError
-from jaxpar.folders import is_free, new_folder
 
 SHARD_TOKENS = 1 << 24  # tokens per shard file (32 MiB of uint16)
 MIN_VOCAB = 258  # the 256 byte tokens, the end-of-document token and at least one merge

@@ -18,13 +18,13 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import MESH_AXES, Config
+from jaxpar.config.validation import with_derived
+from jaxpar.data.folders import is_free, new_folder
 from jaxpar.data.token_folder import tokenizer_folder
 from jaxpar.errors import UserError
-from jaxpar.folders import is_free, new_folder
 from jaxpar.interop.hf_config import config_for, family_of
 from jaxpar.interop.hf_weights import load_params, open_checkpoint, save_params
-from jaxpar.model import Transformer
-from jaxpar.validation import with_derived
+from jaxpar.model.transformer import Transformer
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}
@@ -54,8 +54,8 @@ def load(folder: str | Path, dtype: str = "float32", progress: bool = False, **o
 def split_over_devices(cfg: Config):
     """Shardings that split a model of `cfg` over every local device (ZeRO-3 over a data axis): where an
     export puts the weights it restores, so no device holds the whole model."""
-    from jaxpar.parallel import Layout
-    from jaxpar.runtime import make_mesh
+    from jaxpar.parallel.layout import Layout
+    from jaxpar.runtime.devices import make_mesh
 
     devices = jax.local_devices()
     sizes = {**dict.fromkeys(MESH_AXES, 1), "data": len(devices)}

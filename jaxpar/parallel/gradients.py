@@ -22,8 +22,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxpar.model import layout_hooks
-from jaxpar.model.axes import path_names
+from jaxpar.model.axes import layout_hooks, path_names
 from jaxpar.parallel.hooks import ManualHooks, PartitionerHooks
 from jaxpar.parallel.layout import Layout, _is_var
 from jaxpar.parallel.reductions import summed

@@ -18,11 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.model import constrain
-from jaxpar.model.axes import is_stacked, logical_names, path_names
+from jaxpar.config.switches import ZeroStage
+from jaxpar.model.axes import constrain, is_stacked, logical_names, path_names
 from jaxpar.parallel.rules import RULES, data_parallel_axes, logical_to_spec
 from jaxpar.parallel.zero import zero_dim, zero_spec
-from jaxpar.switches import ZeroStage
 
 
 def _is_var(x) -> bool:

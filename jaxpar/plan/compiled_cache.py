@@ -15,11 +15,11 @@ import json
 from pathlib import Path
 
 from jaxpar.config import Config
-from jaxpar.machine import cache_dir, store_json
+from jaxpar.plan.machine import cache_dir, store_json
 
 PACKAGE = Path(__file__).resolve().parent.parent
-CONSUMERS = {"cli.py", "hardware.py", "launch.py", "plan/search.py", "plan/search_report.py", "plan/roofline.py",
-             "plan/calibrate.py", "plan/schedule_chart.py"}
+CONSUMERS = {"cli.py", "plan/hardware.py", "runtime/launch.py", "plan/search.py", "plan/search_report.py",
+             "plan/roofline.py", "plan/calibrate.py", "plan/schedule_chart.py"}
 
 
 @functools.cache

@@ -26,17 +26,16 @@ import sys
 import time
 import typing
 
-from jaxpar import precision
-from jaxpar.config import Config, ConfigError, ParallelConfig, TrainConfig
+from jaxpar.config import Config, ConfigError, ParallelConfig, TrainConfig, precision
+from jaxpar.config.switches import MESH_KEYS
+from jaxpar.config.validation import validate
 from jaxpar.errors import UserError
-from jaxpar.hardware import Hardware
 from jaxpar.parallel.schedules import SCHEDULES, chunks_per_stage
 from jaxpar.plan import compiled_cache
+from jaxpar.plan.hardware import Hardware
 from jaxpar.plan.roofline import Prediction, hosts_of, predict_layout
-from jaxpar.switches import MESH_KEYS
-from jaxpar.validation import validate
 
-# the keys the search enumerates (jaxpar.switches), and their valid values where the config declares them
+# the keys the search enumerates (jaxpar.config.switches), and their valid values where the config declares them
 ZERO_STAGES = typing.get_args(typing.get_type_hints(ParallelConfig)["zero"])
 REMATS = typing.get_args(typing.get_type_hints(TrainConfig)["remat"])  # in order of their cost: none first
 CONTEXT_MODES = typing.get_args(typing.get_type_hints(ParallelConfig)["context_attention"])
@@ -146,7 +145,7 @@ _WORKER_DEVICES: list = []
 
 
 def _start_worker(cfg: Config) -> None:
-    from jaxpar.runtime import setup_devices
+    from jaxpar.runtime.devices import setup_devices
 
     _WORKER_DEVICES.extend(setup_devices(cfg))
 
@@ -250,7 +249,7 @@ def search(cfg: Config, devices: list, hardware: Hardware, budget: float, fixed:
         validate(cfg, n, hosts)  # the base config's own mistake, when it has one, says more
         raise UserError(f"no layout of this model passes validation on {n} devices with "
                         f"{' '.join(f'{k}={v}' for k, v in fixed.items()) or 'these settings'}.")
-    from jaxpar.plan.model_flops import matmul_flops_floor
+    from jaxpar.train.model_flops import matmul_flops_floor
 
     floor_flops, peak = matmul_flops_floor(cfg), hardware.peak_flops[precision.of(cfg).compute]
     floors = [floor_seconds(floor_flops, ladder, n, peak) for ladder in ladders]

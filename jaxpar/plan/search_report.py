@@ -3,10 +3,10 @@ overrides that `jaxpar train` takes as they are."""
 
 from __future__ import annotations
 
-from jaxpar import machine
+from jaxpar.config.switches import SEARCHED_KEYS
 from jaxpar.errors import UserError
+from jaxpar.plan import machine
 from jaxpar.plan.search import SearchResult
-from jaxpar.switches import SEARCHED_KEYS
 
 GIB = 2 ** 30
 

@@ -34,12 +34,12 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxpar import distributed
 from jaxpar.config import Config, flatten_dict
 from jaxpar.errors import RunFailed, UserError
 from jaxpar.model.axes import path_names
+from jaxpar.runtime import distributed
 from jaxpar.train.loss_scale import LossScale
-from jaxpar.train.step import TrainState
+from jaxpar.train.state import TrainState
 
 
 class CheckpointMismatch(UserError):

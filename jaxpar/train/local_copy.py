@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import distributed
+from jaxpar.runtime import distributed
 from jaxpar.train.checkpoint import CheckpointMismatch, Restored, check_compatible, flat_by_path, state_spec
 
 CHUNK_BYTES = 256 * 2 ** 20  # the copy passes to the peer in pieces of this size (device memory it needs at once)

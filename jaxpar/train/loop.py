@@ -20,10 +20,10 @@ from tqdm import tqdm
 from jaxpar.charts import plot_loss
 from jaxpar.data.sources import token_source
 from jaxpar.data.token_folder import is_token_folder
-from jaxpar.distributed import ENV_ATTEMPT, StopAgreement, is_secondary
-from jaxpar.elastic import record_rows
-from jaxpar.goodput import TIMELINE, Timeline, current_job, goodput
-from jaxpar.jsonl import append_jsonl, read_jsonl
+from jaxpar.runtime.distributed import ENV_ATTEMPT, StopAgreement, is_secondary
+from jaxpar.runtime.elastic import record_rows
+from jaxpar.runtime.goodput import TIMELINE, Timeline, current_job, goodput
+from jaxpar.runtime.jsonl import append_jsonl, read_jsonl
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.local_copy import LocalCopies
@@ -311,11 +311,11 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
 
 
 def _utilization(session: Session, trainer: Trainer, tokens_per_s: float | None) -> dict:
-    """The machine (jaxpar.machine) and the MFU of the median tokens/s (jaxpar.plan.model_flops.utilization).
+    """The machine (jaxpar.plan.machine) and the MFU of the median tokens/s (jaxpar.train.model_flops.utilization).
     On a CPU, one 2048^3 matmul in the compute dtype is timed on the machine's first run, then read from
     the cache."""
-    from jaxpar import machine
-    from jaxpar.plan.model_flops import utilization
+    from jaxpar.plan import machine
+    from jaxpar.train.model_flops import utilization
 
     compute = session.precision.compute
     record = machine.cached_describe(session.devices, (compute,) if session.devices[0].platform == "cpu" else ())

@@ -1,6 +1,6 @@
 """Dynamic loss scaling (the precision policy's `loss_scaling`: fp16), and skipping non-finite steps.
 
-Master weights stay fp32 and the forward pass runs on a cast copy (jaxpar.precision), so
+Master weights stay fp32 and the forward pass runs on a cast copy (jaxpar.config.precision), so
 gradients arrive in fp32. Under loss scaling the loss is multiplied by a scale before
 differentiation and the gradients divided by it after. A non-finite gradient halves the scale
 and skips the update; `loss_scale_window` good steps in a row double it.
@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpar.precision import PrecisionPolicy
+from jaxpar.config.precision import PrecisionPolicy
 
 
 @jax.tree_util.register_dataclass

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.model import LayerScan
+from jaxpar.model.transformer import LayerScan
 
 # Per-layer checkpoint policies; 'sqrt' checkpoints whole segments instead (see _segmented_scan).
 REMAT_POLICIES = {

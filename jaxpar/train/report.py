@@ -1,5 +1,5 @@
 """Run outputs rewritten whole: metrics.jsonl and summary.json, written so a reader never sees half a
-file (lines are appended and read by jaxpar.jsonl; the loss-curve PNG is drawn by jaxpar.charts)."""
+file (lines are appended and read by jaxpar.runtime.jsonl; the loss-curve PNG is drawn by jaxpar.charts)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxpar.config import Config, apply_overrides, flatten_dict
 from jaxpar.errors import UserError
-from jaxpar.model import Transformer
+from jaxpar.model.transformer import Transformer
 from jaxpar.train.checkpoint import PARAMS, brief_error, flat_by_path, is_damage, nest_by_path
 
 

@@ -1,14 +1,14 @@
 """Every save a run makes, timed: the shared checkpoint every checkpoint.every steps, when the run stops,
 and when it completes (unless checkpoint.final=false); the in-memory copy every checkpoint.local_every
 steps; and the resume that reads the newer of the two. What a save holds training for is a `save` row of
-the timeline, and it is left out of the next step's time (jaxpar.goodput)."""
+the timeline, and it is left out of the next step's time (jaxpar.runtime.goodput)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from jaxpar.goodput import Timeline
+from jaxpar.runtime.goodput import Timeline
 from jaxpar.train.checkpoint import Checkpoints, Restored, state_spec
 from jaxpar.train.local_copy import LocalCopies
 

@@ -15,31 +15,24 @@ import optax
 from flax import nnx
 
 from jaxpar.config import Config, TrainConfig
+from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.model import is_block_model, layout_hooks
+from jaxpar.model.axes import layout_hooks
+from jaxpar.model.protocol import is_block_model
 from jaxpar.model.routing_trace import RoutingTrace
 from jaxpar.model.segments import Segments
-from jaxpar.parallel import Layout, PipelinePlan, StageFns, eval_hooks, gradients
 from jaxpar.parallel.context import device_order
-from jaxpar.precision import PrecisionPolicy
+from jaxpar.parallel.gradients import gradients
+from jaxpar.parallel.hooks import eval_hooks
+from jaxpar.parallel.layout import Layout
+from jaxpar.parallel.pipeline import StageFns
+from jaxpar.parallel.pipeline_plan import PipelinePlan
 from jaxpar.train.chunked_loss import chunked_token_losses
-from jaxpar.train.loss_scale import LossScale, all_finite, unless_skipped
+from jaxpar.train.loss_scale import all_finite, unless_skipped
 from jaxpar.train.offload import Placement, offloaded_update
 from jaxpar.train.optim import Optimizer
 from jaxpar.train.remat import layer_scan
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-    """Everything that changes from step to step: counter, fp32 parameters, optimizer and loss-scale state."""
-
-    step: jax.Array
-    params: nnx.State
-    opt_state: optax.OptState
-    loss_scale: LossScale
-    stale_params: nnx.State | None = None  # PipeDream-2BW: the weights one step old (None otherwise)
-    outer: object = None  # local SGD with parallel.outer=nesterov: its OuterState (None otherwise)
+from jaxpar.train.state import TrainState
 
 
 def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: PrecisionPolicy, hooks=None) -> nnx.Module:

@@ -1,5 +1,12 @@
-"""One layout, ready to run: its state plan (jaxpar.train.state_plan), its jitted steps
-(jaxpar.train.step_compiler), and the state and batches placed on its mesh."""
+"""One layout, ready to run: what the training state holds and where each part lives, the jitted
+steps, and the state and batches placed on the mesh.
+
+The state is never materialized unsharded: its shapes come from `eval_shape`, its shardings from
+the layout (rules table + ZeRO stage), and it is created under `jit(out_shardings=...)`. Stacked
+layers are stored in the pipeline plan's order; `to_model_order` is what checkpoints, evaluation
+and verification see. A training strategy (synchronous, or local SGD) transforms the plan: where
+the state lives, its specs, how it starts, and the step.
+"""
 
 from __future__ import annotations
 
@@ -11,32 +18,109 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+import jaxpar.train.local_sgd as local_sgd
+from jaxpar.config import ConfigError
+from jaxpar.config.validation import check_model_fits
 from jaxpar.data.packed_rows import PackedRows
+from jaxpar.model.protocol import is_block_model
+from jaxpar.model.transformer import Transformer
+from jaxpar.parallel.layout import Layout
+from jaxpar.parallel.pipeline_plan import PipelinePlan
+from jaxpar.parallel.rules import layout_rules
 from jaxpar.session import Session
-from jaxpar.train.state_plan import StatePlan
-from jaxpar.train.step import TrainState
-from jaxpar.train.step_compiler import compile_steps
+from jaxpar.train.loss_scale import LossScale
+from jaxpar.train.optim import Optimizer
+from jaxpar.train.state import TrainState
+from jaxpar.train.step import make_eval_step, make_train_step
 
 
 class Trainer:
-    """A session's state plan and jitted steps: `init()` and `step(state, batch)`, `eval_loss(params,
-    batch)`, and placing states and batches on the mesh. `model` (a builder from nnx.Rngs; None:
-    jaxpar's Transformer) and `rules` (its own logical names) are kept as given, for a reference
-    trainer of the same model on another config. trace_routing: the step's metrics also hold each
-    token's routing decisions, and the step takes decisions to replay as a third argument (verify;
-    jaxpar.train.step.make_train_step)."""
+    """A session's training state, where it lives, and its jitted steps: `init()` and `step(state,
+    batch)`, `eval_loss(params, batch)`, and placing states and batches on the mesh. `model` (a builder
+    from nnx.Rngs; None: jaxpar's Transformer) and `rules` (its own logical names) are kept as given,
+    for a reference trainer of the same model on another config. trace_routing: the step's metrics also
+    hold each token's routing decisions, and the step takes decisions to replay as a third argument
+    (verify; jaxpar.train.step.make_train_step).
+
+    layout: where the synchronous state lives (evaluation, samples and imported weights use it);
+    state_layout: where the training state lives (the strategy's); param_shardings: the parameters
+    on `layout`, in model order."""
 
     def __init__(self, session: Session, model: Callable[[nnx.Rngs], nnx.Module] | None = None,
                  rules: Mapping | None = None, trace_routing: bool = False):
         self.session, self.model, self.rules, self.trace_routing = session, model, rules, trace_routing
-        self.plan = plan = StatePlan.build(session, model, rules)
-        self.cfg, self.mesh, self.graphdef = session.cfg, session.mesh, plan.graphdef
-        self.layout, self.pipeline, self.optimizer = plan.layout, plan.pipeline, plan.optimizer
-        self.state_shardings, self.param_shardings = plan.state_shardings, plan.param_shardings
-        self.batch_sharding, self.replicated, self.strategy = plan.batch_sharding, plan.replicated, plan.strategy
-        self.precision = plan.precision
-        self.step, self.eval_loss = compile_steps(plan, trace_routing)
+        self.cfg, self.mesh, self.precision = session.cfg, session.mesh, session.precision
+        self._lay_out(session, model, rules)
+        self.step, self.eval_loss = self._compile_steps()
+
+    def _lay_out(self, session: Session, model, rules) -> None:
+        """The model, its layout and the state's shardings, for jaxpar's Transformer or for `model` (a
+        builder from nnx.Rngs) whose own logical names `rules` maps to mesh axes."""
+        cfg, mesh = session.cfg, session.mesh
+        if model is not None and cfg.model.from_hf:
+            raise ConfigError("model.from_hf loads a checkpoint into jaxpar's Transformer; a module of your own "
+                              "(model=...) cannot take it.")
+        build_model = model or (lambda rngs: Transformer(cfg.model, rngs=rngs))
+        abstract_model = nnx.eval_shape(lambda: build_model(nnx.Rngs(cfg.train.seed)))
+        block_model = is_block_model(abstract_model)
+        check_model_fits(block_model, type(abstract_model).__name__, cfg, session.mesh_sizes)
+        graphdef, abstract_params = nnx.split(abstract_model)
+        stacked_at = abstract_model.STACKED_AT if block_model else ()
+        rules = {**layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence,
+                              session.mesh_sizes["context"]),
+                 **(rules or {})}
+        policy = self.precision
+
+        def relayout(rules: dict, zero: int = 0, reduce_dtype=jnp.float32) -> Layout:
+            return Layout.build(mesh, abstract_params, stacked_at, zero=zero, compute_dtype=policy.compute_dtype,
+                                rules=rules, reduce_dtype=reduce_dtype, output_grad_dtype=policy.dtype("output_grad"),
+                                context_attention=cfg.parallel.context_attention,
+                                context_balance=cfg.parallel.context_balance)
+
+        layout = relayout(rules, cfg.parallel.zero, policy.grad_reduce_dtype)
+        strategy = local_sgd.strategy(cfg, session.mesh_sizes)
+        state_layout = strategy.state_layout(layout, relayout)
+        pipeline = PipelinePlan.build(cfg.parallel.pipeline, layout.sizes["stage"],
+                                      abstract_model.stacked_layers() if stacked_at else 0)
+        optimizer = Optimizer.build(cfg.train, abstract_params)
+        specs = strategy.specs(_state_specs(state_layout, abstract_params, optimizer, pipeline))
+        opt_memory = "pinned_host" if cfg.train.offloads_optimizer else None
+        state_shardings = dataclasses.replace(layout.named(specs), opt_state=layout.named(specs.opt_state, opt_memory))
+        self.build_model, self.graphdef, self.abstract_params = build_model, graphdef, abstract_params
+        self.layout, self.state_layout, self.pipeline, self.optimizer = layout, state_layout, pipeline, optimizer
+        self.strategy, self.state_shardings = strategy, state_shardings
+        self.param_shardings = layout.named(layout.param_specs(abstract_params))
+        self.batch_sharding, self.replicated = layout.batch_sharding(), NamedSharding(mesh, PartitionSpec())
+
+    def _compile_steps(self):
+        """(step(state, tokens_BT) -> (state, metrics), eval_loss(params, tokens_BT) -> loss), both jitted
+        (compiled when first called). With trace_routing the step's third argument, the decisions to
+        replay or None, is split by rows like the batch."""
+        train_step = self.strategy.step(make_train_step(self.graphdef, self.optimizer, self.cfg, self.state_layout,
+                                                        self.pipeline, self.precision, self.trace_routing))
+        replayed = (self.batch_sharding,) if self.trace_routing else ()
+        step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding, *replayed),
+                       out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
+        eval_step = make_eval_step(self.graphdef, self.precision, self.layout, self.pipeline,
+                                   self.cfg.train.loss_chunks)
+        eval_loss = jax.jit(lambda params, tokens_BT: eval_step(self.weights(params), tokens_BT),
+                            in_shardings=(self.state_shardings.params, self.batch_sharding),
+                            out_shardings=self.replicated)
+        return step, eval_loss
+
+    def initial_state(self, params) -> TrainState:
+        """The state around `params` (model order; traced): optimizer and loss-scale state, 2BW's
+        stale copy, as the strategy starts it."""
+        params = self.pipeline.from_model_order(params)
+        state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.tx.init(params),
+                           LossScale.initial(self.precision), params if self.pipeline.stale_weights else None)
+        return self.strategy.initial(state)
+
+    def fresh_params(self) -> nnx.State:
+        """Newly initialized parameters (traced, under the state's shardings)."""
+        return nnx.state(self.build_model(nnx.Rngs(self.cfg.train.seed)))
 
     def init(self) -> TrainState:
         """Create the initial state directly in its sharded layout: from model.from_hf's weights (each
@@ -54,16 +138,17 @@ class Trainer:
 
     @functools.cached_property
     def _create_fresh(self):
-        return jax.jit(lambda: self.plan.initial_state(self.plan.fresh_params()), out_shardings=self.state_shardings)
+        return jax.jit(lambda: self.initial_state(self.fresh_params()), out_shardings=self.state_shardings)
 
     @functools.cached_property
     def _create_from(self):
-        return jax.jit(self.plan.initial_state, in_shardings=(self.param_shardings,),
+        return jax.jit(self.initial_state, in_shardings=(self.param_shardings,),
                        out_shardings=self.state_shardings)
 
     def weights(self, params):
-        """The one set of weights a model runs with (evaluation, samples): see StatePlan.weights."""
-        return self.plan.weights(params)
+        """The one set of weights a model runs with (evaluation, samples): the stored parameters, or
+        the strategy's view of them (local SGD: the replicas' mean)."""
+        return self.strategy.weights(params)
 
     def to_model_order(self, tree):
         """Stacked leaves (in params or optimizer state) as the model orders its layers."""
@@ -120,3 +205,10 @@ class Trainer:
         """Lower and compile the train step without running it (for plans and HLO checks)."""
         return self.step.lower(self.abstract_state(), self.abstract_batch()).compile(compiler_options)
 
+
+def _state_specs(layout: Layout, abstract_params, optimizer: Optimizer, pipeline: PipelinePlan) -> TrainState:
+    """The partition specs of one replica's state on `layout`."""
+    param_specs = layout.param_specs(abstract_params)
+    scalar = PartitionSpec()
+    return TrainState(scalar, param_specs, layout.opt_specs(jax.eval_shape(optimizer.tx.init, abstract_params)),
+                      LossScale(scalar, scalar, scalar), param_specs if pipeline.stale_weights else None)

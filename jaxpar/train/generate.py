@@ -46,7 +46,7 @@ def generate(source: str, prompt: str, tokens: int, temperature: float = 0.0, se
 
     from jaxpar.data.token_folder import TextCodec, tokenizer_folder
     from jaxpar.interop import hf
-    from jaxpar.model import Transformer
+    from jaxpar.model.transformer import Transformer
     from jaxpar.train.sample import generate_ids
     from jaxpar.train.saved_run import SavedRun
 

@@ -185,7 +185,7 @@ class PipelineConfig:
 class ParallelConfig:
     """How work and state are partitioned beyond plain data/tensor parallelism."""
 
-    zero: Literal[0, 1, 2, 3] = 0  # ZeRO stage over the data-parallel devices (jaxpar.switches.ZeroStage)
+    zero: Literal[0, 1, 2, 3] = 0  # ZeRO stage over the data-parallel devices (jaxpar.config.switches.ZeroStage)
     # Megatron sequence parallelism: between blocks the residual stream's sequence is split over mesh.tensor
     sequence: bool = False
     # the data-parallel gradient reductions' payload (bf16: half the bytes; accumulated into fp32 either way)
@@ -271,7 +271,7 @@ def _as_dict(obj) -> dict:
 
 
 MESH_AXES = ("data", "tensor", "expert", "stage", "context")  # context last: its shard_map nests in one over stage
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 @functools.cache  # resolving the annotations is slow, and the planner's search replaces thousands of configs

@@ -30,7 +30,7 @@ GB = 1e9
 class Hardware:
     """What the roofline needs of one kind of device.
 
-    peak_flops: matmul FLOP/s of one device by compute dtype (jaxpar.precision's names: float32,
+    peak_flops: matmul FLOP/s of one device by compute dtype (jaxpar.config.precision's names: float32,
     bfloat16, float16; a run looks its policy's `compute` up); intra/inter_host_bandwidth:
     bytes per second one device sends over a link inside its host / to another host;
     intra/inter_host_latency_s: seconds per step of a ring (n-1 steps for n devices);
@@ -39,7 +39,7 @@ class Hardware:
     bandwidth);
     overlaps_collectives: whether collectives over the data axes run while compute runs (GPUs:
     XLA's latency-hiding scheduler makes them asynchronous; XLA:CPU runs them in line);
-    machine: a measured profile's machine record (jaxpar.machine.describe), None for a datasheet.
+    machine: a measured profile's machine record (jaxpar.plan.machine.describe), None for a datasheet.
     """
 
     name: str

@@ -9,7 +9,7 @@ def _param_leaves(cfg):
     """(path, size, logical axis names) of every parameter of cfg's Transformer, abstractly."""
     from flax import nnx
 
-    from jaxpar.model import Transformer
+    from jaxpar.model.transformer import Transformer
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     for path, leaf in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
@@ -57,10 +57,10 @@ def flops_per_token(cfg) -> float:
 
 def utilization(cfg, tokens_per_s: float, devices: list, compute_dtype: str, record: dict) -> dict:
     """MFU: flops_per_token x tokens/s over the peak matmul rate in `compute_dtype` (the precision
-    policy's). A GPU with a hardware profile (jaxpar.hardware): its datasheet peak x the devices. A
-    CPU: the machine's measured rate in `record` (jaxpar.machine.describe), which all emulated devices
+    policy's). A GPU with a hardware profile (jaxpar.plan.hardware): its datasheet peak x the devices. A
+    CPU: the machine's measured rate in `record` (jaxpar.plan.machine.describe), which all emulated devices
     share. Returns the figures and where the peak comes from; mfu is None without a peak."""
-    from jaxpar.hardware import GPU_PROFILES, for_device_kind
+    from jaxpar.plan.hardware import GPU_PROFILES, for_device_kind
 
     per_token = flops_per_token(cfg)
     first = devices[0]
@@ -76,11 +76,11 @@ def utilization(cfg, tokens_per_s: float, devices: list, compute_dtype: str, rec
             "peak_flops": peak, "peak_source": source}
 
 
-if __name__ == "__main__":  # python -m jaxpar.plan.model_flops [CONFIG.yaml] [key=value ...]: one JSON line
+if __name__ == "__main__":  # python -m jaxpar.train.model_flops [CONFIG.yaml] [key=value ...]: one JSON line
     import json
     import sys
 
-    from jaxpar.presets import load_config
+    from jaxpar.config.presets import load_config
 
     yaml = [a for a in sys.argv[1:] if a.endswith((".yaml", ".yml")) and "=" not in a]
     config = load_config(yaml[0] if yaml else None, [a for a in sys.argv[1:] if a not in yaml])

@@ -3,7 +3,7 @@ matmul rates it reaches, measured when asked. Machines of the same kind differ (
 AVX-512 BF16 runs a bf16 matmul 1.8x faster than fp32, one without it slower), so every benchmark
 table, JSON line and training summary carries this record.
 
-    python -m jaxpar.machine     prints the record and its line as one JSON line
+    python -m jaxpar.plan.machine     prints the record and its line as one JSON line
                                  (benchmarks/peer_maxtext.py, which runs without jax, asks
                                  jaxpar's interpreter for it)
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 MATMUL_SIZE = 2048
 REPEATS = 3
-# dtype names as jax.numpy and jaxpar.precision spell them -> the short names of the tables
+# dtype names as jax.numpy and jaxpar.config.precision spell them -> the short names of the tables
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names for bf16 dot products in hardware
 

@@ -1,6 +1,6 @@
 """An elastic run's layout on the devices it has now (run.elastic=true, `jaxpar train --elastic`).
 
-The first elastic start records the rows each device holds per microbatch (jaxpar.elastic). A later
+The first elastic start records the rows each device holds per microbatch (jaxpar.runtime.elastic). A later
 start on another device count keeps them: the config's own mesh, when it lays out on the devices
 (an axis of -1 fills them), validates and fits the memory budget, with the microbatch count that
 keeps the rows; else the planner's best layout that fits (jaxpar.plan.search, on these devices),
@@ -19,16 +19,16 @@ import json
 import os
 import sys
 
-from jaxpar import distributed
 from jaxpar.config import Config, ConfigError, flatten_dict
-from jaxpar.elastic import keep_rows, read_record
+from jaxpar.config.validation import resolve_mesh, validate
 from jaxpar.errors import UserError
-from jaxpar.validation import resolve_mesh, validate
+from jaxpar.runtime import distributed
+from jaxpar.runtime.elastic import keep_rows, read_record
 
 
 def prepare_elastic(cfg: Config):
     """jaxpar.session.prepare for a run with run.elastic=true: the devices first, then the layout for them."""
-    from jaxpar.runtime import setup_devices
+    from jaxpar.runtime.devices import setup_devices
     from jaxpar.session import prepare
 
     devices = setup_devices(cfg)
@@ -69,8 +69,8 @@ def held_settings(cfg: Config) -> dict:
 
 def _planned(cfg: Config, devices: list, budget: float) -> tuple[dict, str]:
     """The planner's best layout of `cfg` on `devices` within `budget` (held_settings held), and its name."""
-    from jaxpar.hardware import for_device_kind
     from jaxpar.plan.calibrate import profile
+    from jaxpar.plan.hardware import for_device_kind
     from jaxpar.plan.search import search
     from jaxpar.plan.search_report import best_overrides
 

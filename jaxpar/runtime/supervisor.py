@@ -6,7 +6,7 @@ that doubles each time (`--backoff`, at most BACKOFF_CAP_S). Any other failure (
 bug, a user mistake) would only repeat, so it ends the launcher as before. Each restart is one line
 of output and one row of <run.dir>/events.jsonl: when, why, the attempt, the processes and devices it
 goes on with, the step it resumed from, the steps lost, where the state came from and the layout
-(the last four read from the restarted run's own timeline, jaxpar.goodput).
+(the last four read from the restarted run's own timeline, jaxpar.runtime.goodput).
 
 With `--elastic` a slot (a process and its devices) is left out when its health check fails
 (`--health-check CMD`, run with JAXPAR_SLOT set; exit 0 is healthy) or when its process was the first
@@ -27,10 +27,10 @@ import threading
 import time
 from pathlib import Path
 
-from jaxpar import distributed
 from jaxpar.errors import EXIT_LOST
-from jaxpar.goodput import TIMELINE
-from jaxpar.launch import describe, say, start, watch
+from jaxpar.runtime import distributed
+from jaxpar.runtime.goodput import TIMELINE
+from jaxpar.runtime.launch import describe, say, start, watch
 
 BACKOFF_CAP_S = 60.0
 HEALTH_CHECK_TIMEOUT_S = 60.0
@@ -50,7 +50,7 @@ class Policy:
 
 
 def add_restart_flags(p) -> None:
-    """`jaxpar launch`'s flags for runs that restart themselves (jaxpar.supervisor)."""
+    """`jaxpar launch`'s flags for runs that restart themselves (jaxpar.runtime.supervisor)."""
     p.add_argument("--restarts", type=int, default=0, metavar="N",
                    help="start the run again from its last complete state when a process dies or a peer is lost, "
                         "up to N times (train, with checkpoint.every)")

@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from jaxpar.jsonl import append_jsonl
+from jaxpar.runtime.jsonl import append_jsonl
 
 TIMELINE = "timeline.jsonl"
 

@@ -13,9 +13,9 @@ import os
 import re
 import sys
 
-from jaxpar import distributed
 from jaxpar.config import MESH_AXES, Config
-from jaxpar.validation import check_device_count, requested_devices
+from jaxpar.config.validation import check_device_count, requested_devices
+from jaxpar.runtime import distributed
 
 DEFAULT_CPU_DEVICES = 8
 _GPU_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-rocm7-plugin")
@@ -92,7 +92,7 @@ def make_mesh(sizes: dict[str, int], devices: list, process_split: dict[str, int
     """A mesh with axes (data, tensor, expert, stage), compiler-propagated (Auto) sharding.
 
     Across several processes the mesh is hybrid: each axis spans process_split[axis] processes
-    (jaxpar.validation.host_split), and each process holds a contiguous block of the rest.
+    (jaxpar.config.validation.host_split), and each process holds a contiguous block of the rest.
     """
     import jax
     import numpy as np

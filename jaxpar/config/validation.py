@@ -1,6 +1,6 @@
 """Every check of a config (against the device count, and run.devices against the devices found),
 before anything is compiled; the flags of `jaxpar schedule` and `jaxpar launch` are checked in
-jaxpar.command_flags.
+jaxpar.config.command_flags.
 
 Every failure is a ConfigError with one sentence saying what to change. Pure Python (no jax).
 """
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import math
 
-from jaxpar import loss_chunks, precision
-from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig
+from jaxpar.config import MESH_AXES, Config, ConfigError, MeshConfig, loss_chunks, precision
+from jaxpar.config.switches import ZeroStage, not_with_local_sgd
 from jaxpar.data.sources import parse_mixture
-from jaxpar.switches import ZeroStage, not_with_local_sgd
 
 MAX_SEED = 2 ** 63 - 1  # numpy wants a non-negative seed, jax one that fits in 64 bits
 MAX_HEARTBEAT_S = 86_400  # the distributed runtime takes whole seconds in a C int
@@ -295,7 +294,7 @@ def _validate_loss_chunks(cfg: Config, sizes: dict[str, int]) -> None:
 
 def with_derived(cfg: Config, sizes: dict[str, int]) -> Config:
     """The config with its automatic values filled in for this mesh: train.loss_chunks=0 becomes
-    jaxpar.loss_chunks.automatic's count; model.moe.group_size=0 becomes the largest divisor of the
+    jaxpar.config.loss_chunks.automatic's count; model.moe.group_size=0 becomes the largest divisor of the
     tokens per device up to 256. Routing groups are then consecutive tokens of the global batch,
     the same on every layout that shares the value (verify's single-device reference takes it from
     the layout)."""
