@@ -11,8 +11,10 @@ from flax import nnx
 
 from jaxpar.config.presets import load_config
 from jaxpar.data import BatchSampler, load_tokens
+from jaxpar.data.packed_rows import PackedRows
 from jaxpar.model import Transformer
-from jaxpar.train.step import RowInputs, objective, row_keys
+from jaxpar.model.moe_step import ExpertTerms, row_keys
+from jaxpar.train.step import RowInputs, objective
 
 # This module's fixtures are built once, on one pytest-xdist worker
 pytestmark = pytest.mark.xdist_group("test_moe_options")
@@ -40,7 +42,8 @@ def objective_of():
         def run(key, z_weight, graphdef=graphdef, params=params, cfg=cfg):
             moe = dataclasses.replace(cfg.model.moe, z_loss_weight=z_weight)
             rows = RowInputs(row_keys(key, tokens.shape[0]))  # the step's per-row noise keys
-            return objective(nnx.merge(graphdef, params), tokens, rows, cfg.train, moe)
+            experts = ExpertTerms.build(moe, cfg.train.seed, cfg.model.n_layers, 1, trace_routing=False)
+            return objective(nnx.merge(graphdef, params), PackedRows.of(tokens), rows, cfg.train, experts)
 
         jitted = jax.jit(run)
         fns[noise] = lambda key, z_weight=0.0, jitted=jitted: jax.tree.map(

@@ -1,9 +1,15 @@
-"""A batch of packed rows (`data.packing` = concat or pack): the tokens and, per token, its document,
-its position within the document and whether it may be a target of the loss.
+"""The one batch type of the step: rows of tokens and, per token, its document, its position within
+the document and whether it may be a target of the loss.
+
+Packed rows (`data.packing` = concat or pack) carry all four. Plain windows (`data.packing=none`)
+are rows of one document each with every target counted: the tokens alone, the other fields None,
+so that the step computes on them exactly what a plain token array asks for (no masks, a plain
+mean). The step takes either a PackedRows or a (B, T) token array, which `PackedRows.of` reads as
+windows.
 
 The same dataclass carries NumPy arrays on the host and jax arrays in the step; each field has the
 rows on its leading axis, so sharding the batch and cutting it into microbatches cut every field
-alike. Without packing a batch stays a plain (B, T) token array.
+alike.
 """
 
 from __future__ import annotations
@@ -29,20 +35,27 @@ class PackedRows:
     the order the context devices hold them; inputs, targets, documents and masks come in that order."""
 
     tokens_BT: jax.Array
-    segments_BT: jax.Array
-    positions_BT: jax.Array
-    mask_BT: jax.Array
+    segments_BT: jax.Array | None = None
+    positions_BT: jax.Array | None = None
+    mask_BT: jax.Array | None = None
     weights_BL: jax.Array | None = None
     source_B: jax.Array | None = None
     sources: int = dataclasses.field(default=0, metadata={"static": True})
     order_BL: jax.Array | None = None
 
     @classmethod
-    def of_tokens(cls, tokens_BT: jax.Array) -> PackedRows:
-        """A plain (B, T) token array as rows of one document each, every target counted."""
-        zeros_BT = jnp.zeros_like(tokens_BT)
-        return cls(tokens_BT, zeros_BT, jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape),
-                   jnp.ones_like(tokens_BT))
+    def of(cls, batch) -> PackedRows:
+        """A batch as rows: packed rows as they are, a (B, T) token array as windows."""
+        return batch if isinstance(batch, cls) else cls(batch)
+
+    def with_documents(self) -> PackedRows:
+        """The rows with their documents, positions and masks spelled out (windows: one document per
+        row, every target counted), for a step that reorders positions (in_order)."""
+        if self.segments_BT is not None:
+            return self
+        tokens_BT = self.tokens_BT
+        return dataclasses.replace(self, segments_BT=jnp.zeros_like(tokens_BT), mask_BT=jnp.ones_like(tokens_BT),
+                                   positions_BT=jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape))
 
     def in_order(self, order_L) -> PackedRows:
         """The rows with their inputs' positions taken in `order_L` (a permutation of 0 ... L-1)."""
@@ -60,9 +73,23 @@ class PackedRows:
     def targets_BL(self) -> jax.Array:
         return self._ordered(self.tokens_BT[:, 1:])
 
-    def segments(self) -> Segments:
-        """The inputs' documents and positions, for the model."""
+    def segments(self) -> Segments | None:
+        """The inputs' documents and positions, for the model (None for windows)."""
+        if self.segments_BT is None:
+            return None
         return Segments(self._ordered(self.segments_BT[:, :-1]), self._ordered(self.positions_BT[:, :-1]))
+
+    def documents(self) -> tuple:
+        """The model's arguments after the inputs: (segments,) for packed rows, () for windows (a model
+        of your own that never trains packed rows need not take them)."""
+        segments = self.segments()
+        return () if segments is None else (segments,)
+
+    def input_positions(self) -> tuple:
+        """The embedding's arguments after the inputs: each input's position in its document for packed
+        rows, () for windows (positions from 0)."""
+        segments = self.segments()
+        return () if segments is None else (segments.positions_BL,)
 
     def target_mask_BL(self) -> jax.Array:
         """Which targets count: maskable tokens of the same document as their input (never the first
@@ -73,10 +100,22 @@ class PackedRows:
     def weighted(self) -> PackedRows:
         """The batch with each counted target weighted by (targets / counted targets), so the plain mean
         of weight x loss over the batch's targets is the mean over counted targets. Computed on the
-        whole batch, so microbatches and data-parallel shards, each taking a plain mean, agree."""
+        whole batch, so microbatches and data-parallel shards, each taking a plain mean, agree.
+        Windows count every target: they stay as they are, and take the plain mean."""
+        if self.mask_BT is None:
+            return self
         counted_BL = self.target_mask_BL().astype(jnp.float32)
         weights_BL = counted_BL / jnp.maximum(jnp.mean(counted_BL), 1.0 / counted_BL.size)
         return dataclasses.replace(self, weights_BL=weights_BL)
+
+    def mean_loss(self, losses_BL: jax.Array) -> tuple[jax.Array, dict]:
+        """(the mean of each target's loss, weighted once `weighted`; {'loss': it, and for a mixture each
+        source's share: by_source})."""
+        if self.weights_BL is None:
+            loss = losses_BL.mean()
+            return loss, {"loss": loss}
+        loss = (losses_BL * self.weights_BL).mean()
+        return loss, {"loss": loss, **self.by_source(losses_BL)}
 
     def by_source(self, losses_BL: jax.Array) -> dict:
         """Per source of a mixture (else {}), two batch means that average over microbatches and shards

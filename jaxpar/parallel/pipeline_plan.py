@@ -47,6 +47,16 @@ class PipelinePlan:
         return cls(table, None if order == sorted(order) else tuple(order), stacked_layers,
                    pipe.schedule == "2bw", pipe.recompute)
 
+    def microbatches(self, grad_accum: int) -> int:
+        """The microbatches one step cuts its batch into: the schedule's, else train.grad_accum's."""
+        return grad_accum if self.table is None else self.table.microbatches
+
+    def step_metrics(self) -> dict:
+        """What a pipelined step reports of its schedule: the idle share of its ticks."""
+        if self.table is None:
+            return {}
+        return {"pipeline_idle_fraction": jnp.asarray(self.table.idle_fraction, jnp.float32)}
+
     def to_model_order(self, tree):
         """Stacked leaves (of params or optimizer state) from storage order back to model order."""
         return tree if self.storage is None else _permute_layers(tree, np.argsort(self.storage))

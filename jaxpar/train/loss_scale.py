@@ -42,6 +42,13 @@ class LossScale:
         """Count a skipped step without touching the (constant) scale: fp32/bf16 with on_nonfinite=skip."""
         return LossScale(self.scale, self.good_steps, self.skipped_steps + (~finite).astype(jnp.int32))
 
+    def after_step(self, finite: jax.Array | None, policy: PrecisionPolicy) -> LossScale:
+        """The state after a step whose gradients were `finite` (None: not checked, nothing changes):
+        updated under the policy's loss scaling, else the skip counted."""
+        if finite is None:
+            return self
+        return self.update(finite, policy.loss_scale_window) if policy.loss_scaling else self.count_skip(finite)
+
 
 def all_finite(tree) -> jax.Array:
     """True when every element of every leaf is finite."""

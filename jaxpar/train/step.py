@@ -1,7 +1,9 @@
 """The pure training step `(state, batch) -> (state, metrics)` and the evaluation step.
 
-Batches are int token arrays (B, T): inputs are [:, :-1], targets [:, 1:]; packed rows
-(`data.packing`) are a PackedRows of the tokens with their documents, positions and loss mask.
+Every batch is a PackedRows (jaxpar.data.packed_rows): the tokens (B, T), inputs [:, :-1] and
+targets [:, 1:], with their documents, positions and loss mask when packed; a plain (B, T) token
+array given to a step is read as windows of one document each. What a mixture of experts adds to
+the step is jaxpar.model.moe_step's ExpertTerms.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jaxpar.config import Config, TrainConfig
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.model.axes import layout_hooks
+from jaxpar.model.moe_step import ExpertTerms, routing_stats
 from jaxpar.model.protocol import is_block_model
 from jaxpar.model.routing_trace import RoutingTrace
 from jaxpar.model.segments import Segments
@@ -52,30 +55,16 @@ class RowInputs:
     routing: RoutingTrace | None = None
 
 
-def _cross_entropy(logits_BLV: jax.Array, batch) -> jax.Array:
-    """The mean next-token cross-entropy in fp32: over every target of a token array, over the counted
+def _cross_entropy(logits_BLV: jax.Array, batch: PackedRows) -> jax.Array:
+    """The mean next-token cross-entropy in fp32: over every target of windows, over the counted
     targets of packed rows (weighted by the step: PackedRows.weighted)."""
     return _loss_stats(logits_BLV, batch)[0]
 
 
-def _loss_stats(logits_BLV: jax.Array, batch) -> tuple[jax.Array, dict]:
+def _loss_stats(logits_BLV: jax.Array, batch: PackedRows) -> tuple[jax.Array, dict]:
     """(the mean cross-entropy, {'loss': it, and for a mixture each source's share: PackedRows.by_source})."""
-    return _stats(optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), _targets(batch)),
-                  batch)
-
-
-def _targets(batch) -> jax.Array:
-    """The next-token targets (B, L) of a token array or of packed rows."""
-    return batch.targets_BL if isinstance(batch, PackedRows) else batch[:, 1:]
-
-
-def _stats(losses_BL: jax.Array, batch) -> tuple[jax.Array, dict]:
-    """_loss_stats from each target's cross-entropy: their mean (packed rows: weighted by the step)."""
-    if isinstance(batch, PackedRows):
-        loss = (losses_BL * batch.weights_BL).mean()
-        return loss, {"loss": loss, **batch.by_source(losses_BL)}
-    loss = losses_BL.mean()
-    return loss, {"loss": loss}
+    logits_BLV = logits_BLV.astype(jnp.float32)
+    return batch.mean_loss(optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch.targets_BL))
 
 
 def _head_stats(model: nnx.Module, x_BLD: jax.Array, batch, chunks: int) -> tuple[jax.Array, dict]:
@@ -83,21 +72,17 @@ def _head_stats(model: nnx.Module, x_BLD: jax.Array, batch, chunks: int) -> tupl
     strided chunks of the sequence at a time (train.loss_chunks; jaxpar.train.chunked_loss)."""
     if chunks == 1:
         return _loss_stats(model.logits(x_BLD), batch)
-    return _stats(chunked_token_losses(model, x_BLD, _targets(batch), chunks), batch)
+    return batch.mean_loss(chunked_token_losses(model, x_BLD, batch.targets_BL, chunks))
 
 
-def _embedded(model: nnx.Module, batch) -> jax.Array:
+def _embedded(model: nnx.Module, batch: PackedRows) -> jax.Array:
     """The model's embedding of a batch's inputs (a packed row's at its documents' positions)."""
-    if isinstance(batch, PackedRows):
-        return model.embed(batch.inputs_BL, batch.segments().positions_BL)
-    return model.embed(batch[:, :-1])
+    return model.embed(batch.inputs_BL, *batch.input_positions())
 
 
-def _logits(model: nnx.Module, batch) -> jax.Array:
+def _logits(model: nnx.Module, batch: PackedRows) -> jax.Array:
     """A whole model's logits of a batch's inputs (packed rows: each document as if alone)."""
-    if isinstance(batch, PackedRows):
-        return model(batch.inputs_BL, batch.segments())
-    return model(batch[:, :-1])
+    return model(batch.inputs_BL, *batch.documents())
 
 
 def _run_blocks(model: nnx.Module, x_BLD: jax.Array, scan, layer_ids, rows: RowInputs):
@@ -108,88 +93,56 @@ def _run_blocks(model: nnx.Module, x_BLD: jax.Array, scan, layer_ids, rows: RowI
     return model.run_blocks(x_BLD, scan, layer_ids, rows.noise_B, **documents, **traced)
 
 
-def weighted(batch):
-    """A batch ready for the loss: packed rows get their targets' weights (computed on the whole batch)."""
-    return batch.weighted() if isinstance(batch, PackedRows) else batch
-
-
-def in_device_order(batch, layout: Layout):
-    """Under balanced context parallelism, the batch as packed rows whose inputs' positions, targets and
-    documents come in the order the context devices hold them (jaxpar.parallel.context.device_order):
+def in_device_order(batch: PackedRows, layout: Layout) -> PackedRows:
+    """Under balanced context parallelism, the rows with their inputs' positions, targets and
+    documents in the order the context devices hold them (jaxpar.parallel.context.device_order):
     permuted once, here, and the mean loss is the same. Else the batch as it is."""
     if layout.context == 1 or not layout.context_balance:
         return batch
-    rows = batch if isinstance(batch, PackedRows) else PackedRows.of_tokens(batch)
+    rows = batch.with_documents()
     return rows.in_order(device_order(rows.tokens_BT.shape[1] - 1, layout.context, True))
-
-
-def row_inputs(batch, noise_B: jax.Array | None, routing: RoutingTrace | None = None) -> RowInputs:
-    return RowInputs(noise_B, batch.segments() if isinstance(batch, PackedRows) else None, routing)
 
 
 def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT, precision: PrecisionPolicy,
                loss_chunks: int = 1) -> jax.Array:
     """Mean next-token cross-entropy over the batch (a token array or packed rows), computed in fp32
     (a block model's logits `loss_chunks` chunks of the sequence at a time: train.loss_chunks)."""
-    batch = weighted(tokens_BT)
+    batch = PackedRows.of(tokens_BT).weighted()
     model = _model(graphdef, params, precision)
     if loss_chunks == 1 or not is_block_model(model):
         return _cross_entropy(_logits(model, batch), batch)
-    x_BLD, _ = _run_blocks(model, _embedded(model, batch), None, None, row_inputs(batch, None))
+    x_BLD, _ = _run_blocks(model, _embedded(model, batch), None, None, RowInputs(None, batch.segments()))
     return _head_stats(model, x_BLD, batch, loss_chunks)[0]
 
 
-def routing_terms(routing: dict, moe) -> tuple[jax.Array, dict]:
-    """(the MoE auxiliary losses to add to the objective, each routing statistic summed over the
-    layers) from run_blocks' per-layer statistics; (0, {}) for a dense model."""
-    if not routing:
-        return jnp.zeros((), jnp.float32), {}
-    sums = {k: jnp.sum(v, axis=0) for k, v in routing.items()}
-    terms = moe.aux_weight * sums["aux"] + moe.z_loss_weight * sums["z"]
-    return (terms + sums["bias_term"] if "bias_term" in sums else terms), sums
-
-
-def routing_stats(sums: dict, count: int) -> dict:
-    """The reported MoE statistics: routing sums over `count` (layer, microbatch) pairs, averaged."""
-    if not sums:
-        return {}
-    mean = {k: v / count for k, v in sums.items()}
-    stats = {"moe_aux_loss": mean["aux"], "moe_z_loss": mean["z"], "moe_unrouted_fraction": mean["unrouted"],
-             "moe_expert_tokens": mean["expert_tokens"], "moe_max_load": mean["max_load"]}
-    if "dropped" in mean:  # routers with a capacity to overflow (not Expert Choice)
-        stats["moe_dropped_fraction"] = mean["dropped"]
-    # traced token by token (verify): the decisions' codes, and replayed, the flips and their margins
-    stats.update({f"moe_{k}": v for k, v in mean.items() if k.startswith("routing_")})
-    return stats
-
-
-def objective(model: nnx.Module, tokens_BT, rows: RowInputs, t: TrainConfig, moe, scan=None):
+def objective(model: nnx.Module, batch: PackedRows, rows: RowInputs, t: TrainConfig, experts: ExpertTerms,
+              scan=None):
     """(cross-entropy + MoE auxiliary losses, stats): what training minimizes, and what it reports.
 
-    tokens_BT: a token array, or packed rows weighted by the step. rows: the routing noise and the
-    packed documents per row. stats: 'loss' (the cross-entropy alone) and, for MoE models, the
-    routing statistics averaged over MoE layers. A model without the block protocol
-    (jaxpar.model.protocol) is called whole.
+    batch: rows weighted by the step. rows: the routing noise and the packed documents per row.
+    stats: 'loss' (the cross-entropy alone) and, for MoE models, the routing statistics averaged
+    over MoE layers. A model without the block protocol (jaxpar.model.protocol) is called whole.
     """
     if not is_block_model(model):
-        return _loss_stats(_logits(model, tokens_BT), tokens_BT)
-    x_BLD, routing = _run_blocks(model, _embedded(model, tokens_BT), scan, None, rows)
-    loss, stats = _head_stats(model, x_BLD, tokens_BT, t.loss_chunks)
+        return _loss_stats(_logits(model, batch), batch)
+    x_BLD, routing = _run_blocks(model, _embedded(model, batch), scan, None, rows)
+    loss, stats = _head_stats(model, x_BLD, batch, t.loss_chunks)
     if not routing:
         return loss, stats
-    aux, sums = routing_terms(routing, moe)
+    aux, sums = experts.objective_terms(routing)
     return loss + aux, {**stats, **routing_stats(sums, jax.tree.leaves(routing)[0].shape[0])}
 
 
-def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPolicy, scale: jax.Array) -> StageFns:
+def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPolicy, scale: jax.Array,
+              experts: ExpertTerms) -> StageFns:
     """The model cut into embedding, a chunk of layers and head+loss, for the pipeline executors."""
-    t, moe = cfg.train, cfg.model.moe
+    t = cfg.train
     scan = layer_scan(t.remat, hooks, t.offloads_activations)
     model = lambda p: _model(graphdef, p, precision, hooks)  # noqa: E731
 
     def layers(p, x_bLD, layer_ids, rows_b: RowInputs):
         x_bLD, routing = _run_blocks(model(p), x_bLD, scan, layer_ids, rows_b)
-        aux, sums = routing_terms(routing, moe)
+        aux, sums = experts.objective_terms(routing)
         return (x_bLD, aux * scale), sums
 
     return StageFns(
@@ -223,31 +176,25 @@ def accumulated_grads(loss_fn: Callable, params, batch, microbatches: int, layou
     return mean(stats_sum), mean(grad_sum)
 
 
-def row_keys(key: jax.Array, rows: int) -> jax.Array:
-    """One PRNG key per batch row (the row's index folded in): per-row randomness that does not
-    depend on which device or microbatch holds the row."""
-    return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(rows))
-
-
 def _gradient_fn(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: PipelinePlan,
-                 precision: PrecisionPolicy):
-    """grad_fn(hooks, params, (tokens_BT, rows), scale) -> (stats, grads) for `gradients`: the
-    objective accumulated over train.grad_accum microbatches, or run through the pipeline's schedule."""
-    t, moe = cfg.train, cfg.model.moe
+                 precision: PrecisionPolicy, experts: ExpertTerms):
+    """grad_fn(hooks, params, (batch, rows), scale) -> (stats, grads) for `gradients`: the objective
+    accumulated over train.grad_accum microbatches, or run through the pipeline's schedule."""
+    t = cfg.train
 
     def accumulated(hooks, params, batch, scale):
         scan = layer_scan(t.remat, hooks, t.offloads_activations)
 
         def scaled_objective(p, micro):
-            tokens_BT, rows = micro
-            value, stats = objective(_model(graphdef, p, precision, hooks), tokens_BT, rows, t, moe, scan)
+            batch, rows = micro
+            value, stats = objective(_model(graphdef, p, precision, hooks), batch, rows, t, experts, scan)
             return value * scale, stats
 
         return accumulated_grads(scaled_objective, params, batch, t.grad_accum, layout)
 
     def pipelined(hooks, params, batch, scale):
         micro = layout.split_microbatches(batch, pipeline.table.microbatches)
-        loss, sums, grads = pipeline.value_and_grad(stage_fns(graphdef, hooks, cfg, precision, scale), params,
+        loss, sums, grads = pipeline.value_and_grad(stage_fns(graphdef, hooks, cfg, precision, scale, experts), params,
                                                     layout.stacked_mask(params), micro)
         units = pipeline.table.microbatches * pipeline.stacked_layers
         return {"loss": loss / scale, **routing_stats(sums, units)}, grads
@@ -269,71 +216,34 @@ def _updated(optimizer: Optimizer, state: TrainState, grads, finite, layout: Lay
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, layout: Layout,
                     pipeline: PipelinePlan, precision: PrecisionPolicy, trace_routing: bool = False):
-    """Build the pure step for one layout and pipeline plan (a plan without a table: no pipeline).
+    """Build the pure step for one layout and pipeline plan (a plan without a table: no pipeline):
+    gradients, unscaled; the update (kept back whole where a gradient is not finite and that is
+    checked); the metrics. trace_routing: see jaxpar.model.moe_step. Under PipeDream-2BW gradients are
+    taken on the weights one step old (state.stale_params) and applied to the current ones."""
+    t = cfg.train
+    experts = ExpertTerms.build(cfg.model.moe, t.seed, cfg.model.n_layers,
+                                layout.manual_batch_ways * pipeline.microbatches(t.grad_accum), trace_routing)
+    grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision, experts)
+    checks_finite = precision.loss_scaling or t.on_nonfinite == "skip"
 
-    trace_routing (an MoE model; verify): the metrics hold `moe_routing_codes`, each token's decision in
-    each MoE layer, and the step takes decisions to replay as a third argument (None: route freely),
-    reporting the router's own flips and their margins (jaxpar.model.routing_trace).
-
-    Under PipeDream-2BW (pipeline.stale_weights) gradients are taken on the weights one step old
-    (state.stale_params) and applied to the current ones.
-    """
-    t, moe = cfg.train, cfg.model.moe
-    noisy = bool(moe.experts) and moe.noise and moe.chooses_top_k
-    traced_units = cfg.model.n_layers // moe.every if trace_routing and moe.experts else 0
-    balances_by_bias = bool(moe.experts) and moe.balance == "bias"
-    grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision)
-    # Statistics are means over the traced batch of one microbatch; token counts scale to the step.
-    traced_batches = layout.manual_batch_ways * (t.grad_accum if pipeline.table is None
-                                                 else pipeline.table.microbatches)
-
-    def train_step(state: TrainState, tokens_BT, replay_BULE: jax.Array | None = None):
-        scale = state.loss_scale.scale
+    def train_step(state: TrainState, batch, replay_BULE: jax.Array | None = None):
+        batch, scale = in_device_order(PackedRows.of(batch), layout).weighted(), state.loss_scale.scale
+        noise_B, routing = experts.row_inputs(state.step, batch.tokens_BT.shape[0], replay_BULE)
         grad_params = state.stale_params if pipeline.stale_weights else state.params
-        step_key = jax.random.fold_in(jax.random.PRNGKey(t.seed), state.step)  # the same on every layout
-        tokens_BT = weighted(in_device_order(tokens_BT, layout))
-        B = jax.tree.leaves(tokens_BT)[0].shape[0]
-        rows_B = row_keys(step_key, B) if noisy else None
-        routing = RoutingTrace(jnp.eye(B, dtype=jnp.float32), replay_BULE, units=traced_units) if traced_units else None
-        stats, grads = gradients(layout, grad_fn, grad_params, (tokens_BT, row_inputs(tokens_BT, rows_B, routing)),
+        stats, grads = gradients(layout, grad_fn, grad_params, (batch, RowInputs(noise_B, batch.segments(), routing)),
                                  scale)
-        grads = jax.tree.map(lambda g: g / scale, grads)
-        if balances_by_bias:  # the biases move by their own rule; the optimizer sees zero gradients for them
-            bias_grads, grads = grads, jax.tree_util.tree_map_with_path(
-                lambda p, g: jnp.zeros_like(g) if _is_bias(p) else g, grads)
-        loss_scale = state.loss_scale
-        # loss scaling (fp16), or on_nonfinite=skip: a step with any non-finite gradient leaves the state
-        # bit-identical
-        finite = all_finite(grads) if precision.loss_scaling or t.on_nonfinite == "skip" else None
+        grads, held = experts.hold_bias(jax.tree.map(lambda g: g / scale, grads))
+        finite = all_finite(grads) if checks_finite else None
         params, opt_state = _updated(optimizer, state, grads, finite, layout, t.offloads_optimizer)
-        if balances_by_bias:
-            moved = jax.tree_util.tree_map_with_path(
-                lambda p, w, g: w - moe.bias_rate * jnp.sign(g) if _is_bias(p) else w, params, bias_grads)
-            params = unless_skipped(finite, moved, params)
-        if finite is not None:
-            loss_scale = (loss_scale.update(finite, precision.loss_scale_window) if precision.loss_scaling
-                          else loss_scale.count_skip(finite))
+        params = params if held is None else unless_skipped(finite, experts.move_bias(params, held), params)
+        loss_scale = state.loss_scale.after_step(finite, precision)
         metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step),
-                   "loss_scale": state.loss_scale.scale, "skipped_steps": loss_scale.skipped_steps}
-        if "moe_expert_tokens" in stats:  # per traced batch -> whole batch, and its spread across experts
-            counts = stats["moe_expert_tokens"] * traced_batches
-            metrics["moe_expert_tokens"] = counts
-            metrics["moe_load_cv"] = jnp.std(counts) / jnp.maximum(jnp.mean(counts), 1e-9)
-        # the same scaling for the traced decisions: per traced batch -> whole batch
-        metrics.update({k: v * traced_batches for k, v in stats.items() if k.startswith("moe_routing_")})
-        if pipeline.table is not None:
-            metrics["pipeline_idle_fraction"] = jnp.asarray(pipeline.table.idle_fraction, jnp.float32)
+                   "loss_scale": scale, "skipped_steps": loss_scale.skipped_steps, **experts.step_metrics(stats),
+                   **pipeline.step_metrics()}
         stale = state.params if pipeline.stale_weights else None
         return TrainState(state.step + 1, params, opt_state, loss_scale, stale), metrics
 
     return train_step
-
-
-def _is_bias(path) -> bool:
-    """A router bias of bias balancing (DeepSeek-V3): after each step it moves by bias_rate toward
-    equal load, down where the load was above the mean, its gradient's sign
-    (jaxpar.model.moe.bias_balance_term)."""
-    return "router_bias" in jax.tree_util.keystr(path)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, precision: PrecisionPolicy, layout: Layout, pipeline: PipelinePlan,
@@ -342,7 +252,7 @@ def make_eval_step(graphdef: nnx.GraphDef, precision: PrecisionPolicy, layout: L
 
     def eval_step(params, tokens_BT):
         with layout_hooks(eval_hooks(layout)):
-            return token_loss(graphdef, pipeline.to_model_order(params), in_device_order(tokens_BT, layout),
-                              precision, loss_chunks)
+            return token_loss(graphdef, pipeline.to_model_order(params),
+                              in_device_order(PackedRows.of(tokens_BT), layout), precision, loss_chunks)
 
     return eval_step
