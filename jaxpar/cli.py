@@ -121,7 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_search(args: argparse.Namespace) -> int:
-    from jaxpar.config.switches import MESH_KEYS, SEARCHED_KEYS
+    from jaxpar.features import MESH_KEYS, SEARCHED_KEYS
     from jaxpar.runtime import distributed
 
     if distributed.from_environment() is not None:

@@ -9,8 +9,7 @@ import functools
 
 from jaxpar.config import Config, precision
 from jaxpar.config.precision import PrecisionPolicy
-from jaxpar.config.switches import layout_name
-from jaxpar.config.validation import check_attention_platform, validate, with_derived
+from jaxpar.config.validation import validate
 from jaxpar.data.corpus import load_tokens, split_tokens
 from jaxpar.data.loader import BatchSampler
 from jaxpar.data.mixture import mixture_samplers
@@ -18,6 +17,8 @@ from jaxpar.data.packing import packed_samplers
 from jaxpar.data.sources import parse_mixture
 from jaxpar.data.token_folder import TextCodec, has_loss_mask, tokenizer_folder
 from jaxpar.errors import DataError
+from jaxpar.features import layout_name, with_derived
+from jaxpar.features.model import check_attention_platform
 from jaxpar.interop.hf_config import resolve as resolve_hf
 from jaxpar.runtime.devices import make_mesh, setup_devices
 
@@ -59,7 +60,7 @@ class Session:
         return " ".join(f"{axis}={size}" for axis, size in self.mesh_sizes.items() if size > 1) or "single device"
 
     def layout_name(self) -> str:
-        """The whole layout, such as 'data=4 tensor=2 grad_accum=2 bf16' (jaxpar.config.switches)."""
+        """The whole layout, such as 'data=4 tensor=2 grad_accum=2 bf16' (jaxpar.features)."""
         return layout_name(self.cfg, self.mesh_sizes)
 
     @functools.cached_property

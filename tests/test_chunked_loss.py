@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from helpers import SMALL_MODEL
 
-from jaxpar.config import Config, loss_chunks
+from jaxpar.config import Config
 from jaxpar.config.presets import load_config
+from jaxpar.features.training import automatic_loss_chunks
 from jaxpar.plan import measure_step
 from jaxpar.session import prepare
 from jaxpar.train.checkpoint import flat_by_path
@@ -63,8 +64,8 @@ def test_automatic_chunks_keep_the_logits_near_the_hidden_states():
     tokens per device in a chunk, a divisor of the sequence; 1 where the logits are no larger."""
     sizes = {"data": 8, "tensor": 1, "expert": 1, "stage": 1}
     llama = Config().replace(**{"model.vocab_size": 128256, "model.d_model": 4096, "model.seq_len": 8192})
-    assert loss_chunks.automatic(llama, sizes, 16384) == 32  # 128256 / 4096 = 31.3
-    assert loss_chunks.automatic(llama, {**sizes, "tensor": 8}, 8192) == 4  # 16032 columns a rank
-    assert loss_chunks.automatic(llama, sizes, 2048) == 4  # 512 tokens a chunk at most
-    assert loss_chunks.automatic(Config(), sizes, 1024) == 2  # the default model: V = 2D
-    assert loss_chunks.automatic(Config().replace(**{"model.d_model": 256}), sizes, 4096) == 1
+    assert automatic_loss_chunks(llama, sizes, 16384) == 32  # 128256 / 4096 = 31.3
+    assert automatic_loss_chunks(llama, {**sizes, "tensor": 8}, 8192) == 4  # 16032 columns a rank
+    assert automatic_loss_chunks(llama, sizes, 2048) == 4  # 512 tokens a chunk at most
+    assert automatic_loss_chunks(Config(), sizes, 1024) == 2  # the default model: V = 2D
+    assert automatic_loss_chunks(Config().replace(**{"model.d_model": 256}), sizes, 4096) == 1

@@ -6,8 +6,9 @@ import sys
 import pytest
 
 from jaxpar.config import Config, ConfigError, MeshConfig, all_keys
+from jaxpar.config.mesh import resolve_mesh
 from jaxpar.config.presets import load_config
-from jaxpar.config.validation import resolve_mesh, validate
+from jaxpar.config.validation import validate
 
 
 def test_public_key_names_are_stable():

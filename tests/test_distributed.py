@@ -17,7 +17,7 @@ import pytest
 from test_docs import marked_block, shell_commands
 
 from jaxpar.config import ConfigError, MeshConfig
-from jaxpar.config.validation import host_split
+from jaxpar.config.mesh import host_split
 from jaxpar.errors import EXIT_LOST
 from jaxpar.runtime import distributed
 from jaxpar.runtime.distributed import CoordinatorFailed, ProcessSetup, StopAgreement, from_environment

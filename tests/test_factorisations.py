@@ -17,8 +17,8 @@ import math
 import pytest
 
 from jaxpar.config import MESH_AXES, ConfigError
+from jaxpar.config.mesh import resolve_mesh
 from jaxpar.config.presets import load_config
-from jaxpar.config.validation import resolve_mesh
 from jaxpar.session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify

@@ -7,8 +7,10 @@ Config errors for these keys are rows of tests/test_cli_errors.py's BAD_INPUTS t
 
 import pytest
 
+from jaxpar import features
 from jaxpar.config.precision import POLICIES
-from jaxpar.parallel.rules import RULES, layout_rules, logical_to_spec
+from jaxpar.config.presets import load_config
+from jaxpar.parallel.rules import RULES, logical_to_spec
 from jaxpar.plan import collectives, measure_step
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
@@ -97,6 +99,15 @@ def test_flash_attention_temporaries_are_a_fraction_of_dot_attention(session_for
 
 
 # ---------------------------------------------------------------- the rules table
+
+def layout_rules(kv_heads: int, tensor: int, sequence: bool) -> dict:
+    """The features' rules table for a model of `kv_heads` key/value heads (24 query heads) on
+    mesh.tensor=`tensor`."""
+    cfg = load_config(None, ["model.n_heads=24", f"model.n_kv_heads={kv_heads}",
+                             f"parallel.sequence={str(sequence).lower()}"])
+    sizes = {"data": 1, "tensor": tensor, "expert": 1, "stage": 1, "context": 1}
+    return features.layout_rules(RULES, cfg, sizes)
+
 
 def test_layout_rules_replicate_kv_heads_and_split_the_residual_sequence():
     assert layout_rules(kv_heads=8, tensor=4, sequence=False) == RULES

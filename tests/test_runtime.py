@@ -4,8 +4,8 @@ devices found."""
 import pytest
 
 from jaxpar.config import ConfigError
-from jaxpar.config.validation import check_device_count
 from jaxpar.runtime import devices as runtime
+from jaxpar.runtime.devices import check_device_count
 
 
 def test_gpu_host_gets_the_latency_hiding_scheduler_unless_the_user_set_xla_flags(monkeypatch):

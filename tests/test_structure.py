@@ -168,6 +168,6 @@ def test_only_the_precision_policy_compares_the_precision_with_a_string():
 
 def test_only_the_layout_compares_the_zero_stage_with_a_number():
     compare = re.compile(r"zero\s*(==|!=|>=|<=|>|<|in|not in)\s*[\d(]|(stage)\s*(>=|<=|>|<)\s*\d")
-    found = [f"{path.name}: {line.strip()}" for path, text in sources_outside("config/switches.py")
+    found = [f"{path.name}: {line.strip()}" for path, text in sources_outside("features/data.py")
              for line in text.splitlines() if compare.search(line) and "zero" in line]
     assert found == []

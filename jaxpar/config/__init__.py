@@ -185,7 +185,7 @@ class PipelineConfig:
 class ParallelConfig:
     """How work and state are partitioned beyond plain data/tensor parallelism."""
 
-    zero: Literal[0, 1, 2, 3] = 0  # ZeRO stage over the data-parallel devices (jaxpar.config.switches.ZeroStage)
+    zero: Literal[0, 1, 2, 3] = 0  # ZeRO stage over the data-parallel devices (jaxpar.features.data.ZeroStage)
     # Megatron sequence parallelism: between blocks the residual stream's sequence is split over mesh.tensor
     sequence: bool = False
     # the data-parallel gradient reductions' payload (bf16: half the bytes; accumulated into fp32 either way)

@@ -17,11 +17,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.config import MESH_AXES, Config
-from jaxpar.config.validation import with_derived
+from jaxpar.config import MESH_AXES, Config, ParallelConfig
 from jaxpar.data.folders import is_free, new_folder
 from jaxpar.data.token_folder import tokenizer_folder
 from jaxpar.errors import UserError
+from jaxpar.features import with_derived
 from jaxpar.interop.hf_config import config_for, family_of
 from jaxpar.interop.hf_weights import load_params, open_checkpoint, save_params
 from jaxpar.model.transformer import Transformer
@@ -61,7 +61,7 @@ def split_over_devices(cfg: Config):
     sizes = {**dict.fromkeys(MESH_AXES, 1), "data": len(devices)}
     mesh = make_mesh(sizes, devices, dict.fromkeys(sizes, 1))
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
-    layout = Layout.build(mesh, abstract, Transformer.STACKED_AT, zero=3)
+    layout = Layout.build(mesh, abstract, Transformer.STACKED_AT, ParallelConfig(zero=3))
     return layout.named(layout.param_specs(abstract))
 
 

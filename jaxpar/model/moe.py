@@ -55,7 +55,7 @@ class MoE(nnx.Module):
         own `routing_flips` and `routing_margins` (U, R, L) (jaxpar.model.routing_trace)."""
         if self.group_size <= 0:
             raise ValueError("model.moe.group_size=0 (automatic) must be resolved for the mesh before the model "
-                             "runs: see jaxpar.config.validation.with_derived")
+                             "runs: see jaxpar.features.experts.derive")
         B, L, D = x_BLD.shape
         # Training batches hold whole groups (validated); a shorter input (generating one
         # sequence) is routed as one group per sequence.

@@ -6,8 +6,8 @@ from jaxpar.parallel.hooks import eval_hooks
 from jaxpar.parallel.layout import Layout, WeightPlan
 from jaxpar.parallel.pipeline import StageFns
 from jaxpar.parallel.pipeline_plan import PipelinePlan
-from jaxpar.parallel.rules import RULES, data_parallel_axes, layout_rules, logical_to_spec
+from jaxpar.parallel.rules import RULES, data_parallel_axes, logical_to_spec
 from jaxpar.parallel.zero import DATA_PARALLEL_AXES, zero_spec
 
 __all__ = ["DATA_PARALLEL_AXES", "Layout", "eval_hooks", "PipelinePlan", "RULES", "StageFns", "WeightPlan",
-           "data_parallel_axes", "layout_rules", "gradients", "logical_to_spec", "zero_spec"]
+           "data_parallel_axes", "gradients", "logical_to_spec", "zero_spec"]

@@ -18,10 +18,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config.switches import ZeroStage
+from jaxpar.config import ParallelConfig
+from jaxpar.config.precision import POLICIES, PrecisionPolicy
+from jaxpar.features.data import ZeroStage
 from jaxpar.model.axes import constrain, is_stacked, logical_names, path_names
 from jaxpar.parallel.rules import RULES, data_parallel_axes, logical_to_spec
 from jaxpar.parallel.zero import zero_dim, zero_spec
+
+_SYNCHRONOUS = ParallelConfig()  # the defaults: ZeRO-0, ring context attention in balanced chunks
 
 
 def _is_var(x) -> bool:
@@ -55,9 +59,9 @@ class Layout:
     """
 
     mesh: jax.sharding.Mesh
-    zero: ZeroStage
+    parallel: ParallelConfig  # the config's section: ZeRO's stage, context attention and balance
+    precision: PrecisionPolicy  # compute dtype (ZeRO-3 gathers weights in it), gradient reductions' payload
     rules: Mapping
-    compute_dtype: object  # ZeRO-3 gathers weights in it
     sizes: Mapping[str, int]
     data_axes: tuple[str, ...]  # the data-parallel axes of size > 1
     batch_ways: int  # how many slices the batch is cut into
@@ -66,18 +70,13 @@ class Layout:
     traced_batch_shards: int  # batch shards the traced loss sees: 1 under manual batch axes, else all
     weights: Mapping[tuple, WeightPlan]
     layer_weights_at: tuple[str, ...]
-    reduce_dtype: object  # the payload of the data-parallel gradient reductions (parallel.grad_reduce_dtype)
-    output_grad_dtype: object  # the fp32 logits' and scores' gradient entering their matmuls' backward
     zero_axes: tuple[str, ...] = ("data", "expert")  # what ZeRO shards the state over (see build)
-    context_attention: str = "ring"  # with mesh.context > 1: parallel.context_attention
-    context_balance: bool = True  # parallel.context_balance
 
     @classmethod
     def build(cls, mesh: jax.sharding.Mesh, abstract_params, layer_weights_at: tuple[str, ...] = ("blocks",),
-              zero: int = 0, compute_dtype=jnp.float32, rules: Mapping = RULES,
-              reduce_dtype=jnp.float32, output_grad_dtype=jnp.float32, context_attention: str = "ring",
-              context_balance: bool = True) -> Layout:
-        sizes = dict(mesh.shape)
+              parallel: ParallelConfig = _SYNCHRONOUS, precision: PrecisionPolicy = POLICIES["fp32"],
+              rules: Mapping = RULES) -> Layout:
+        sizes, reduce_dtype = dict(mesh.shape), precision.grad_reduce_dtype
         data_axes = tuple(a for a in data_parallel_axes(rules) if sizes.get(a, 1) > 1)
         pipelined = sizes.get("stage", 1) > 1
         # shard_map only where the step needs collectives written by hand; data, ZeRO and tensor
@@ -110,14 +109,38 @@ class Layout:
                 names, spec, zero_spec(spec, shape, names, sizes, zero_axes),
                 zero_dim(spec, shape, names, sizes, zero_axes), is_stacked(v),
                 frozenset(a for e in spec for a in ((e,) if isinstance(e, str) else e or ())))
-        return cls(mesh=mesh, zero=ZeroStage(zero), rules=types.MappingProxyType(dict(rules)),
-                   compute_dtype=compute_dtype, sizes=types.MappingProxyType(sizes), data_axes=data_axes,
-                   batch_ways=batch_ways, manual_data=manual_data,
-                   manual=_with_idle_axes(manual_data + (("stage",) if pipelined else ()), sizes),
+        manual = _with_idle_axes(manual_data + (("stage",) if pipelined else ()), sizes)
+        return cls(mesh=mesh, parallel=parallel, precision=precision, rules=types.MappingProxyType(dict(rules)),
+                   sizes=types.MappingProxyType(sizes), data_axes=data_axes, batch_ways=batch_ways,
+                   manual_data=manual_data, manual=manual,
                    traced_batch_shards=1 if manual_data else batch_ways, weights=types.MappingProxyType(weights),
-                   layer_weights_at=tuple(layer_weights_at), reduce_dtype=reduce_dtype,
-                   output_grad_dtype=output_grad_dtype, zero_axes=zero_axes, context_attention=context_attention,
-                   context_balance=context_balance)
+                   layer_weights_at=tuple(layer_weights_at), zero_axes=zero_axes)
+
+    @property
+    def zero(self) -> ZeroStage:
+        return ZeroStage(self.parallel.zero)
+
+    @property
+    def compute_dtype(self):
+        return self.precision.compute_dtype
+
+    @property
+    def reduce_dtype(self):
+        """The payload of the data-parallel gradient reductions (parallel.grad_reduce_dtype)."""
+        return self.precision.grad_reduce_dtype
+
+    @property
+    def output_grad_dtype(self):
+        """The fp32 logits' and scores' gradient entering their matmuls' backward."""
+        return self.precision.dtype("output_grad")
+
+    @property
+    def context_attention(self) -> str:
+        return self.parallel.context_attention
+
+    @property
+    def context_balance(self) -> bool:
+        return self.parallel.context_balance
 
     @property
     def sequence_parallel(self) -> bool:

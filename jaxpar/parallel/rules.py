@@ -3,9 +3,10 @@
 Model code names logical axes only; this table decides the layout:
 batch over data (and expert, which acts as extra data parallelism outside MoE layers),
 Megatron tensor parallelism over `tensor` (MLP hidden, attention heads, vocabulary), and the
-stacked layers split into pipeline stages over `stage`. `layout_rules` adapts it to one model
-and mesh: key/value heads are replicated when there are fewer of them than tensor ranks, and
-sequence parallelism splits the residual stream's sequence over `tensor`.
+stacked layers split into pipeline stages over `stage`. The features adapt it to one model and
+mesh (jaxpar.features.layout_rules): key/value heads are replicated when there are fewer of them
+than tensor ranks, context parallelism splits the sequence over `context`, and sequence
+parallelism splits the residual stream's sequence over `tensor`.
 """
 
 from __future__ import annotations
@@ -27,25 +28,6 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": "stage",
     "pos": None,
 }
-
-
-def layout_rules(kv_heads: int, tensor: int, sequence: bool, context: int = 1) -> dict:
-    """The rules table for one model on one mesh.
-
-    With fewer key/value heads than tensor ranks (or a count they do not divide) every rank keeps
-    all of them, as Megatron and MaxText do: each rank computes the KV heads its query heads use.
-    With mesh.context > 1 the sequence is split over `context` everywhere, inside the blocks and
-    between them (and between them over `tensor` too, within each context slice, under sequence
-    parallelism).
-    """
-    rules = dict(RULES)
-    if kv_heads % tensor:
-        rules["kv_heads"] = None
-    if context > 1:
-        rules["seq"] = rules["residual_seq"] = "context"
-    if sequence:
-        rules["residual_seq"] = ("context", "tensor") if context > 1 else "tensor"
-    return rules
 
 
 def data_parallel_axes(rules: dict = RULES) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ compiled program does (jaxpar.plan.measure_step), not over a formula of the mode
     comm     = sum over collectives of executions x (overhead + (n - 1) x latency + bytes the
                device sends / bandwidth), n the devices in each of its groups (a permute: 2),
                the link being the inter-host one when the op's groups span a mesh axis that
-               crosses hosts (mesh.hosts, `jaxpar.config.validation.host_split`), else the intra-host one;
+               crosses hosts (mesh.hosts, `jaxpar.config.mesh.host_split`), else the intra-host one;
     memory   = bytes the non-matmul work writes per step (hlo.written_bytes: every unfused
                instruction's result, loops multiplied out; the busiest stage) / the profile's
                write bandwidth: elementwise ops, norms, softmax, the optimizer update;
@@ -26,7 +26,7 @@ import dataclasses
 import math
 
 from jaxpar.config import precision
-from jaxpar.config.validation import host_split
+from jaxpar.config.mesh import host_split
 from jaxpar.plan.hardware import Hardware
 
 TERMS = ("compute", "memory", "communication", "bubble")

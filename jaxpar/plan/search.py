@@ -27,15 +27,15 @@ import time
 import typing
 
 from jaxpar.config import Config, ConfigError, ParallelConfig, TrainConfig, precision
-from jaxpar.config.switches import MESH_KEYS
 from jaxpar.config.validation import validate
 from jaxpar.errors import UserError
+from jaxpar.features import MESH_KEYS
 from jaxpar.parallel.schedules import SCHEDULES, chunks_per_stage
 from jaxpar.plan import compiled_cache
 from jaxpar.plan.hardware import Hardware
 from jaxpar.plan.roofline import Prediction, hosts_of, predict_layout
 
-# the keys the search enumerates (jaxpar.config.switches), and their valid values where the config declares them
+# the keys the search enumerates (jaxpar.features), and their valid values where the config declares them
 ZERO_STAGES = typing.get_args(typing.get_type_hints(ParallelConfig)["zero"])
 REMATS = typing.get_args(typing.get_type_hints(TrainConfig)["remat"])  # in order of their cost: none first
 CONTEXT_MODES = typing.get_args(typing.get_type_hints(ParallelConfig)["context_attention"])

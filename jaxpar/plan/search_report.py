@@ -3,8 +3,8 @@ overrides that `jaxpar train` takes as they are."""
 
 from __future__ import annotations
 
-from jaxpar.config.switches import SEARCHED_KEYS
 from jaxpar.errors import UserError
+from jaxpar.features import SEARCHED_KEYS
 from jaxpar.plan import machine
 from jaxpar.plan.search import SearchResult
 

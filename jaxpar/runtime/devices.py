@@ -13,8 +13,7 @@ import os
 import re
 import sys
 
-from jaxpar.config import MESH_AXES, Config
-from jaxpar.config.validation import check_device_count, requested_devices
+from jaxpar.config import MESH_AXES, Config, ConfigError
 from jaxpar.runtime import distributed
 
 DEFAULT_CPU_DEVICES = 8
@@ -63,6 +62,27 @@ def _jax_backend_started() -> bool:
         return True
 
 
+def requested_devices(cfg: Config) -> int | None:
+    """The device count asked for by run.devices, or None for 'auto'."""
+    value = cfg.run.devices
+    if value == "auto":
+        return None
+    if isinstance(value, int) and value > 0:
+        return value
+    raise ConfigError(f"run.devices must be 'auto' or a positive number, got {value!r}.")
+
+
+def check_device_count(wanted: int | None, available: int, platform: str, processes: int) -> None:
+    """Raise ConfigError unless run.devices (`wanted`, None for auto) fits the devices found: a
+    multi-process run uses all of them, a single process at most as many as exist."""
+    if processes > 1:
+        if wanted is not None and wanted != available:
+            raise ConfigError(f"run.devices={wanted} but a multi-process run uses all {available} devices of its "
+                              f"{processes} processes; leave run.devices=auto.")
+    elif wanted is not None and wanted > available:
+        raise ConfigError(f"run.devices={wanted} but only {available} {platform} devices exist.")
+
+
 def setup_devices(cfg: Config) -> list:
     """Prepare and return the devices this run uses (emulated on a CPU-only host)."""
     wanted = requested_devices(cfg)
@@ -92,7 +112,7 @@ def make_mesh(sizes: dict[str, int], devices: list, process_split: dict[str, int
     """A mesh with axes (data, tensor, expert, stage), compiler-propagated (Auto) sharding.
 
     Across several processes the mesh is hybrid: each axis spans process_split[axis] processes
-    (jaxpar.config.validation.host_split), and each process holds a contiguous block of the rest.
+    (jaxpar.config.mesh.host_split), and each process holds a contiguous block of the rest.
     """
     import jax
     import numpy as np

@@ -16,7 +16,8 @@ import math
 from pathlib import Path
 
 from jaxpar.config import Config, ConfigError
-from jaxpar.config.validation import resolve_mesh, validate
+from jaxpar.config.mesh import resolve_mesh
+from jaxpar.config.validation import validate
 
 RECORD = "elastic.json"
 GRAD_ACCUMS = (1, 2, 4, 8, 16)  # what a re-planned layout may accumulate over, when the config's mesh cannot be kept

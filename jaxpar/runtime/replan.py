@@ -20,7 +20,8 @@ import os
 import sys
 
 from jaxpar.config import Config, ConfigError, flatten_dict
-from jaxpar.config.validation import resolve_mesh, validate
+from jaxpar.config.mesh import resolve_mesh
+from jaxpar.config.validation import validate
 from jaxpar.errors import UserError
 from jaxpar.runtime import distributed
 from jaxpar.runtime.elastic import keep_rows, read_record

@@ -21,14 +21,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxpar.train.local_sgd as local_sgd
-from jaxpar.config import ConfigError
-from jaxpar.config.validation import check_model_fits
+from jaxpar.config import Config, ConfigError
 from jaxpar.data.packed_rows import PackedRows
+from jaxpar.features import layout_rules
 from jaxpar.model.protocol import is_block_model
 from jaxpar.model.transformer import Transformer
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.pipeline_plan import PipelinePlan
-from jaxpar.parallel.rules import layout_rules
+from jaxpar.parallel.rules import RULES
 from jaxpar.session import Session
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.optim import Optimizer
@@ -68,18 +68,12 @@ class Trainer:
         check_model_fits(block_model, type(abstract_model).__name__, cfg, session.mesh_sizes)
         graphdef, abstract_params = nnx.split(abstract_model)
         stacked_at = abstract_model.STACKED_AT if block_model else ()
-        rules = {**layout_rules(cfg.model.kv_heads, session.mesh_sizes["tensor"], cfg.parallel.sequence,
-                              session.mesh_sizes["context"]),
-                 **(rules or {})}
-        policy = self.precision
+        rules = {**layout_rules(RULES, cfg, session.mesh_sizes), **(rules or {})}
 
-        def relayout(rules: dict, zero: int = 0, reduce_dtype=jnp.float32) -> Layout:
-            return Layout.build(mesh, abstract_params, stacked_at, zero=zero, compute_dtype=policy.compute_dtype,
-                                rules=rules, reduce_dtype=reduce_dtype, output_grad_dtype=policy.dtype("output_grad"),
-                                context_attention=cfg.parallel.context_attention,
-                                context_balance=cfg.parallel.context_balance)
+        def relayout(rules: dict) -> Layout:
+            return Layout.build(mesh, abstract_params, stacked_at, cfg.parallel, self.precision, rules)
 
-        layout = relayout(rules, cfg.parallel.zero, policy.grad_reduce_dtype)
+        layout = relayout(rules)
         strategy = local_sgd.strategy(cfg, session.mesh_sizes)
         state_layout = strategy.state_layout(layout, relayout)
         pipeline = PipelinePlan.build(cfg.parallel.pipeline, layout.sizes["stage"],
@@ -204,6 +198,22 @@ class Trainer:
     def compile_step(self, compiler_options: dict | None = None):
         """Lower and compile the train step without running it (for plans and HLO checks)."""
         return self.step.lower(self.abstract_state(), self.abstract_batch()).compile(compiler_options)
+
+
+def check_model_fits(block_model: bool, model_name: str, cfg: Config, sizes: dict[str, int]) -> None:
+    """What a model without the block protocol (jaxpar.model.protocol: embed, run_blocks and logits
+    around stacked layers) cannot do: anything that needs its layers one by one, or its logits from
+    its last hidden states (train.loss_chunks)."""
+    if block_model:
+        return
+    per_layer = {"mesh.stage > 1": sizes["stage"] > 1, f"train.remat={cfg.train.remat}": cfg.train.remat != "none",
+                 f"train.offload={cfg.train.offload}": cfg.train.offloads_activations,
+                 f"train.loss_chunks={cfg.train.loss_chunks}": cfg.train.loss_chunks != 1}
+    asked = [key for key, on in per_layer.items() if on]
+    if asked:
+        raise ConfigError(f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''} the model's layers one by one "
+                          f"and its logits apart, but {model_name} does not implement jaxpar's block protocol "
+                          f"(STACKED_AT, embed, run_blocks, logits, stacked_layers: jaxpar.model.protocol).")
 
 
 def _state_specs(layout: Layout, abstract_params, optimizer: Optimizer, pipeline: PipelinePlan) -> TrainState:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxpar.config.switches import reference_overrides
+from jaxpar.features import reference_overrides
 from jaxpar.session import Session, on_devices
 from jaxpar.train.checkpoint import flat_by_path
 from jaxpar.train.routing_check import RoutingCheck
@@ -22,7 +22,7 @@ DEFAULT_STEPS = 3
 
 def reference_config(cfg):
     """The single-device version of a config: every layout switch as the reference takes it
-    (jaxpar.config.switches: one device, fp32, ZeRO-0, no remat, offload or accumulation, plain L x L
+    (jaxpar.features: one device, fp32, ZeRO-0, no remat, offload or accumulation, plain L x L
     attention, so flash and cuDNN attention are checked against it)."""
     return cfg.replace(**reference_overrides())
 

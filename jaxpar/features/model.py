@@ -1,0 +1,63 @@
+"""The model's own shape (model.*): widths, heads, rotary positions and their scaling, and the
+attention kernel (model.attention: dot, flash, cudnn or auto)."""
+
+from __future__ import annotations
+
+from jaxpar.config import Config, ConfigError, precision
+from jaxpar.features.feature import Checks, Switch, unless
+
+SWITCHES = (Switch("model.attention", unless("dot", "attention={value}"), reference="dot"),)
+
+
+def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
+    m = cfg.model
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len", "vocab_multiple"):
+        if getattr(m, key) <= 0:
+            yield f"model.{key} must be positive, got {getattr(m, key)}."
+    if m.head_dim < 0:
+        yield f"model.head_dim must be 0 (d_model / n_heads) or positive, got {m.head_dim}."
+    if not m.head_dim and m.d_model % m.n_heads:
+        yield (f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+               f"set model.head_dim to give the heads their own width.")
+    if m.positions == "rope" and m.head_size % 2:
+        yield (f"rotary positions need an even head size, but it is {m.head_size} "
+               f"(model.head_dim, or model.d_model / model.n_heads).")
+    yield from _rope(m)
+    yield from _attention(cfg)
+
+
+def _rope(m) -> Checks:
+    if m.rope_scaling == "none":
+        return
+    if m.positions != "rope":
+        yield f"model.rope_scaling={m.rope_scaling} needs model.positions=rope."
+    if m.rope_factor <= 0:
+        yield f"model.rope_factor must be positive, got {m.rope_factor}."
+    if m.rope_scaling == "llama3" and not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+                                           and m.rope_original_context > 0):
+        yield ("llama3 rope scaling needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor "
+               "and a positive model.rope_original_context.")
+
+
+def _attention(cfg: Config) -> Checks:
+    m = cfg.model
+    if m.n_kv_heads < 0 or m.n_kv_heads > m.n_heads or (m.n_kv_heads and m.n_heads % m.n_kv_heads):
+        yield f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (0: as many as n_heads)."
+    if m.rope_theta <= 0 or m.norm_eps <= 0:
+        yield "model.rope_theta and model.norm_eps must be positive."
+    if m.flash_block_q <= 0 or m.flash_block_kv <= 0:
+        yield "model.flash_block_q and model.flash_block_kv must be positive."
+    if m.attention in ("flash", "auto"):
+        for key, block in zip(("flash_block_q", "flash_block_kv"), m.flash_blocks()):
+            if m.seq_len % block:
+                yield f"model.{key}={block} does not divide model.seq_len={m.seq_len}."
+    if m.attention == "cudnn" and not precision.of(cfg).reduced:
+        yield ("model.attention=cudnn needs train.precision=bf16 or fp16 (cuDNN's fused attention "
+               "has no fp32 kernel); use flash or dot for fp32.")
+
+
+def check_attention_platform(cfg: Config, platform: str) -> None:
+    """model.attention=cudnn runs on NVIDIA GPUs only (checked once the devices are known)."""
+    if cfg.model.attention == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU, but the devices are {platform}; "
+                          f"use flash (or auto, which picks cudnn where it runs).")

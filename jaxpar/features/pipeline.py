@@ -1,0 +1,72 @@
+"""Pipeline parallelism over mesh.stage: the stacked layers split into stages, run by a schedule
+(parallel.pipeline: gpipe, 1f1b, 2bw, interleaved, zb-h1, zbv) over microbatches."""
+
+from __future__ import annotations
+
+from jaxpar.config import Config
+from jaxpar.features.data import ZeroStage
+from jaxpar.features.feature import Checks, Switch, axis, never
+
+
+def _label(value, cfg: Config, sizes: dict) -> str | None:
+    pipe = cfg.parallel.pipeline
+    if sizes["stage"] == 1:
+        return None
+    return f"{pipe.schedule} M={pipe.microbatches}" + (f" v={pipe.virtual}" if pipe.virtual > 1 else "")
+
+
+SWITCHES = (
+    Switch("mesh.stage", axis("stage"), reference=1, searched=True, with_local_sgd=False),
+    Switch("parallel.pipeline.schedule", _label, searched=True),  # 2bw's stale-weight rule holds on one device
+    Switch("parallel.pipeline.microbatches", never, searched=True),  # named with the schedule
+    Switch("parallel.pipeline.virtual", never, searched=True),
+)
+
+
+def virtual_stages(cfg: Config) -> int:
+    """The chunks of layers each stage runs: parallel.pipeline.virtual for interleaved, 2 for zbv."""
+    p = cfg.parallel.pipeline
+    return p.virtual if p.schedule == "interleaved" else 2 if p.schedule == "zbv" else 1
+
+
+def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
+    p, S, L = cfg.parallel.pipeline, sizes["stage"], cfg.model.n_layers
+    if p.microbatches <= 0 or p.virtual <= 0:
+        yield "parallel.pipeline.microbatches and parallel.pipeline.virtual must be positive."
+    if p.virtual > 1 and p.schedule != "interleaved":
+        yield f"parallel.pipeline.virtual={p.virtual} needs parallel.pipeline.schedule=interleaved."
+    if S == 1:
+        return
+    v = virtual_stages(cfg)
+    if p.schedule == "zbv" and L % (2 * S):
+        yield (f"the zbv schedule runs two chunks of layers on each stage: model.n_layers={L} is not "
+               f"divisible by 2 x mesh.stage = {2 * S}.")
+    if L % (S * v):
+        yield f"model.n_layers={L} is not divisible by mesh.stage x virtual stages = {S} x {v}."
+    moe = cfg.model.moe
+    if moe.experts and moe.every > 0 and (L // moe.every) % (S * v):
+        yield (f"the {L // moe.every} units of model.moe.every={moe.every} layers are not divisible by "
+               f"mesh.stage x virtual stages = {S} x {v}.")
+    yield from _schedule_checks(cfg, sizes, v)
+
+
+def _schedule_checks(cfg: Config, sizes: dict[str, int], v: int) -> Checks:
+    p, S = cfg.parallel.pipeline, sizes["stage"]
+    if p.schedule in ("zb-h1", "zbv") and p.recompute:
+        yield (f"parallel.pipeline.recompute=true is for 1F1B-type schedules; {p.schedule} keeps the "
+               "forward's residuals for its split backward (train.remat keeps fewer).")
+    if p.schedule in ("1f1b", "2bw", "interleaved", "zb-h1", "zbv") and p.microbatches < S:
+        yield (f"the {p.schedule} schedule needs at least as many microbatches as stages, "
+               f"got parallel.pipeline.microbatches={p.microbatches} < mesh.stage={S}.")
+    if p.schedule == "interleaved" and p.microbatches % S:
+        yield (f"interleaved 1F1B needs parallel.pipeline.microbatches={p.microbatches} to be a "
+               f"multiple of mesh.stage={S}.")
+    if cfg.train.grad_accum > 1:
+        yield "with mesh.stage > 1, use parallel.pipeline.microbatches instead of train.grad_accum."
+    ways = sizes["data"] * sizes["expert"] * p.microbatches
+    if cfg.train.batch_size % ways:
+        yield (f"train.batch_size={cfg.train.batch_size} is not divisible by mesh.data x mesh.expert x "
+               f"parallel.pipeline.microbatches = {sizes['data']} x {sizes['expert']} x {p.microbatches}.")
+    if ZeroStage(cfg.parallel.zero).slices_replicated_weights and v > 1:
+        yield (f"parallel.zero=2 with {'interleaved stages' if p.schedule == 'interleaved' else 'zbv'} "
+               f"is not supported; use zero 1 or 3.")
