@@ -20,37 +20,8 @@ from typing import Literal, Union
 
 import yaml
 
+from jaxpar.config.moe import MoEConfig
 from jaxpar.errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """Mixture of experts: E experts (0 = dense) on every k-th layer's MLP, and the router."""
-    experts: int = 0
-    every: int = 2
-    router: Literal["topk", "switch", "expert_choice", "dropless"] = "switch"
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    group_size: int = 0  # tokens per routing group; 0: the largest divisor of the tokens per device, at most 256
-    aux_loss_weight: float = 0.01
-    z_loss_weight: float = 0.0
-    noise: bool = True
-    mlp: Literal["gelu", "swiglu"] = "gelu"  # each expert's MLP (swiglu: Mixtral, Qwen-MoE, DeepSeek)
-    d_ff: int = 0  # each expert's hidden width; 0: model.d_ff (fine-grained experts: smaller, and more of them)
-    shared: int = 0  # always-on experts of width d_ff beside the routed ones, split over tensor like the dense MLP
-    score: Literal["softmax", "sigmoid"] = "softmax"  # top-k's scores (sigmoid: DeepSeek-V3)
-    renormalize: bool = True  # top-k: the chosen experts' weights scaled to sum to 1 (Mixtral, Qwen3-MoE)
-    routed_scale: float = 1.0  # the routed experts' output multiplied by this (DeepSeek-V3: 2.5)
-    balance: Literal["aux", "bias"] = "aux"  # top-k's: an auxiliary loss, or a bias on the scores (DeepSeek-V3)
-    bias_rate: float = 0.003  # the bias's move per step (measured on the default model: docs/moe.md)
-
-    @property
-    def chooses_top_k(self) -> bool:  # each token picks k experts (topk: into capacity slots; dropless: all run)
-        return self.router in ("topk", "dropless")
-
-    @property
-    def aux_weight(self) -> float:  # the balance loss's weight in the objective: none under bias balancing
-        return self.aux_loss_weight if self.balance == "aux" else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
