@@ -21,7 +21,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
 from jaxpar.config import ModelConfig
@@ -29,7 +28,7 @@ from jaxpar.data.token_folder import COMPANION_FILES, TOKENIZER, tokenizer_vocab
 from jaxpar.interop.hf_config import CONFIG_FILE, CheckpointError, hf_config, read_config
 from jaxpar.interop.hf_names import TensorMap, tensor_maps
 from jaxpar.interop.safetensors import DTYPES, Checkpoint, write_checkpoint
-from jaxpar.model.axes import path_names
+from jaxpar.model.axes import is_variable, path_names
 
 GENERATION_CONFIG = "generation_config.json"
 MAX_SHARD_BYTES = 5 * 2 ** 30  # transformers' default shard size
@@ -59,9 +58,6 @@ def open_checkpoint(m: ModelConfig) -> Checkpoint:
     return checkpoint
 
 
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
 
 def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
@@ -72,7 +68,7 @@ def load_params(checkpoint: Checkpoint, m: ModelConfig, shardings, dtype=np.floa
     model order, as the layout places the parameters). Returns (the nnx.State of jax.Arrays, the
     bytes each device's slices took from the files, by device id)."""
     maps = {tensor_map.path: tensor_map for tensor_map in tensor_maps(m)}
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=_is_var)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=is_variable)
     per_device: dict[int, int] = {}
     arrays = []
     for path, variable in tqdm(leaves, desc=f"load {Path(m.from_hf).name}", unit="tensor", disable=not progress,
@@ -108,7 +104,7 @@ def save_params(params, m: ModelConfig, folder: Path, dtype: str, source: Path |
     source_config = read_config(source) if source is not None and (source / CONFIG_FILE).is_file() else None
     config = hf_config(m, dtype, source_config)
     values = {path_names(path): v.get_value() for path, v in
-              jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]}
+              jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]}
     maps = tensor_maps(m)
     owner = {name: (tensor_map, layer, expert) for tensor_map in maps for layer in range(max(tensor_map.layers, 1))
              for expert in range(max(tensor_map.experts, 1)) for name in tensor_map.names(layer, expert)}

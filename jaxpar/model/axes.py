@@ -68,6 +68,11 @@ def zeros_param(shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Pa
     return nnx.Param(jax.numpy.zeros(shape, jax.numpy.float32), out_sharding=names, eager_sharding=False)
 
 
+def is_variable(x) -> bool:
+    """Whether a pytree node is an nnx.Variable: the leaf a tree of parameters or specs is cut at."""
+    return isinstance(x, nnx.Variable)
+
+
 def logical_names(variable: nnx.Variable, ndim: int) -> tuple:
     """A variable's logical axis names, one per dimension (all None when it has none that fit:
     an optimizer statistic of another rank, such as Adafactor's factored moments)."""

@@ -22,9 +22,9 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxpar.model.axes import layout_hooks, path_names
+from jaxpar.model.axes import is_variable, layout_hooks, path_names
 from jaxpar.parallel.hooks import ManualHooks, PartitionerHooks
-from jaxpar.parallel.layout import Layout, _is_var
+from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.reductions import summed
 from jaxpar.parallel.zero import manual_part
 
@@ -50,7 +50,7 @@ def gradients(layout: Layout, grad_fn: Callable, params, batch, *args):
         # (a pipeline's loss is nonzero on the last stage only, hence the sum over `stage` too)
         stats = jax.tree.map(lambda x: jax.lax.psum(x, layout.manual) / layout.manual_batch_ways, stats)
         grads = jax.tree_util.tree_map_with_path(lambda p, g: _reduce(layout, g, path_names(p)), grads,
-                                                 is_leaf=_is_var)
+                                                 is_leaf=is_variable)
         return stats, grads
 
     if not layout.manual:  # no stages, no experts: the compiler partitions it all

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.model.axes import path_names
+from jaxpar.model.axes import is_variable, path_names
 from jaxpar.model.matmul import wide_einsum
 from jaxpar.parallel import context
-from jaxpar.parallel.layout import Layout, _is_var
+from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.reductions import moved_as_bits, rows_gathered, rows_summed, scattered
 from jaxpar.parallel.rules import logical_to_spec
 from jaxpar.parallel.zero import without_axes
@@ -64,7 +64,7 @@ class _Hooks:
         weights = self.layout.weights
         return jax.tree_util.tree_map_with_path(
             lambda p, v: v if weights[path_names(p)].stacked else self._expand(v, path_names(p), None),
-            state, is_leaf=_is_var)
+            state, is_leaf=is_variable)
 
     def layer_weights(self, layer_state, index: jax.Array):
         """Layer `index`'s full weights inside the layer scan (`index`: its place in the stacked state)."""
@@ -72,7 +72,7 @@ class _Hooks:
             return layer_state
         stack = self.layout.layer_weights_at
         return jax.tree_util.tree_map_with_path(lambda p, v: self._expand(v, stack + path_names(p), index),
-                                                layer_state, is_leaf=_is_var)
+                                                layer_state, is_leaf=is_variable)
 
     def differentiated(self, params):
         """What the step differentiates: the parameters as stored."""
@@ -176,7 +176,7 @@ class ManualHooks(_Hooks):
     def for_params(cls, layout: Layout, params) -> ManualHooks:
         if not layout.zero.slices_replicated_weights:
             return cls(layout)
-        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]
+        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]
         return cls(layout, {path_names(p): v.get_value() for p, v in flat})
 
     def constrain(self, x: jax.Array, names: tuple) -> jax.Array:
@@ -213,7 +213,7 @@ class ManualHooks(_Hooks):
         weights, sizes = self.layout.weights, self.layout.sizes
         return jax.tree_util.tree_map_with_path(
             lambda p, v: v if weights[path_names(p)].zero_dim is None else v.replace(
-                _local_slice(v.get_value(), *weights[path_names(p)].zero_dim, sizes)), params, is_leaf=_is_var)
+                _local_slice(v.get_value(), *weights[path_names(p)].zero_dim, sizes)), params, is_leaf=is_variable)
 
     def _expand(self, variable, path, layer):
         found = self.layout.weights[path].zero_dim

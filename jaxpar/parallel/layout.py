@@ -15,25 +15,17 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig
 from jaxpar.config.precision import POLICIES, PrecisionPolicy
 from jaxpar.features.data import ZeroStage
-from jaxpar.model.axes import constrain, is_stacked, logical_names, path_names
-from jaxpar.parallel.rules import RULES, data_parallel_axes, logical_to_spec
+from jaxpar.model.axes import constrain, is_stacked, is_variable, logical_names, path_names
+from jaxpar.parallel.rules import RULES, axis_names, data_parallel_axes, logical_to_spec
 from jaxpar.parallel.zero import zero_dim, zero_spec
 
 _SYNCHRONOUS = ParallelConfig()  # the defaults: ZeRO-0, ring context attention in balanced chunks
 
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def _axes(target) -> tuple:
-    return (target,) if isinstance(target, str) else tuple(target or ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +93,14 @@ class Layout:
         # the batch axes manual, ZeRO's collectives are written by hand over them alone)
         zero_axes = data_parallel_axes(rules) + (() if manual_batch else ("context",))
         weights = {}
-        for path, v in jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=_is_var)[0]:
+        for path, v in jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=is_variable)[0]:
             shape = v.get_value().shape
             names = logical_names(v, len(shape))
             spec = logical_to_spec(names, rules)
             weights[path_names(path)] = WeightPlan(
                 names, spec, zero_spec(spec, shape, names, sizes, zero_axes),
                 zero_dim(spec, shape, names, sizes, zero_axes), is_stacked(v),
-                frozenset(a for e in spec for a in ((e,) if isinstance(e, str) else e or ())))
+                frozenset(a for e in spec for a in axis_names(e)))
         manual = _with_idle_axes(manual_data + (("stage",) if pipelined else ()), sizes)
         return cls(mesh=mesh, parallel=parallel, precision=precision, rules=types.MappingProxyType(dict(rules)),
                    sizes=types.MappingProxyType(sizes), data_axes=data_axes, batch_ways=batch_ways,
@@ -145,7 +137,7 @@ class Layout:
     @property
     def sequence_parallel(self) -> bool:
         """Whether the residual stream is split along the sequence over a tensor axis of size > 1."""
-        return "tensor" in _axes(self.rules.get("residual_seq")) and self.sizes.get("tensor", 1) > 1
+        return "tensor" in axis_names(self.rules.get("residual_seq")) and self.sizes.get("tensor", 1) > 1
 
     @property
     def context(self) -> int:
@@ -169,12 +161,12 @@ class Layout:
 
     def _specs(self, tree, zero: bool):
         def one(x):
-            if _is_var(x):
+            if is_variable(x):
                 shape = x.get_value().shape
                 return x.replace(self.spec(logical_names(x, len(shape)), shape, zero))
             return self.spec((None,) * len(x.shape), x.shape, zero) if getattr(x, "ndim", 0) else PartitionSpec()
 
-        return jax.tree.map(one, tree, is_leaf=_is_var)
+        return jax.tree.map(one, tree, is_leaf=is_variable)
 
     def param_specs(self, params):
         """Parameters: sharded over data-parallel devices only under ZeRO-3."""
@@ -213,7 +205,7 @@ class Layout:
 
     def stacked_mask(self, params):
         """A tree of bools: True for stacked (per-layer) weights, which pipeline stages split."""
-        return jax.tree.map(lambda v: v.replace(is_stacked(v)), params, is_leaf=_is_var)
+        return jax.tree.map(lambda v: v.replace(is_stacked(v)), params, is_leaf=is_variable)
 
 
 def _with_idle_axes(manual: tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:

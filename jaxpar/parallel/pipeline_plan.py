@@ -16,9 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxpar.model.axes import is_stacked
+from jaxpar.model.axes import is_stacked, is_variable
 from jaxpar.parallel.gpipe import gpipe_value_and_grad
 from jaxpar.parallel.one_f_one_b import one_f_one_b_value_and_grad
 from jaxpar.parallel.pipeline import StageFns
@@ -83,11 +82,11 @@ class PipelinePlan:
 
 def _permute_layers(tree, index: np.ndarray):
     def one(v):
-        if not isinstance(v, nnx.Variable):
+        if not is_variable(v):
             return v
         value = v.get_value()
         # every leaf stacked over layers: weights, Adam moments, and Adafactor's factored statistics
         stacked = is_stacked(v) and value.ndim >= 1 and value.shape[0] == len(index)
         return v.replace(jnp.take(value, index, axis=0)) if stacked else v
 
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, tree, is_leaf=is_variable)

@@ -30,10 +30,14 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+def axis_names(entry) -> tuple[str, ...]:
+    """The mesh axes of a rules-table or PartitionSpec entry: one axis, several, or none (None)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def data_parallel_axes(rules: dict = RULES) -> tuple[str, ...]:
     """The mesh axes the batch is split over: every device along them holds different rows."""
-    target = rules.get("batch")
-    return (target,) if isinstance(target, str) else tuple(target or ())
+    return axis_names(rules.get("batch"))
 
 
 def logical_to_spec(names: tuple[str | None, ...], rules: dict = RULES) -> PartitionSpec:
@@ -41,9 +45,7 @@ def logical_to_spec(names: tuple[str | None, ...], rules: dict = RULES) -> Parti
     used: set[str] = set()
     spec = []
     for name in names:
-        target = rules.get(name) if name is not None else None
-        axes = (target,) if isinstance(target, str) else tuple(target or ())
-        axes = tuple(a for a in axes if a not in used)
+        axes = tuple(a for a in axis_names(rules.get(name) if name is not None else None) if a not in used)
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)

@@ -11,14 +11,10 @@ import math
 
 from jax.sharding import PartitionSpec
 
-from jaxpar.parallel.rules import data_parallel_axes
+from jaxpar.parallel.rules import axis_names, data_parallel_axes
 
 # The axes the batch is split over (the rules table's 'batch'): ZeRO shards state over them.
 DATA_PARALLEL_AXES = data_parallel_axes()
-
-
-def _axes_of(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def zero_dim(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_sizes: dict[str, int],
@@ -30,12 +26,12 @@ def zero_dim(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_siz
     they divide, never 'layers' (so a layer's slice of a stacked weight stays spread over all devices).
     """
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    used = {a for e in entries for a in _axes_of(e)}
+    used = {a for e in entries for a in axis_names(e)}
     axes = tuple(a for a in over if a not in used and mesh_sizes.get(a, 1) > 1)
     if not axes:
         return None
     ways = math.prod(mesh_sizes[a] for a in axes)
-    local = [shape[d] // math.prod(mesh_sizes[a] for a in _axes_of(entries[d])) for d in range(len(shape))]
+    local = [shape[d] // math.prod(mesh_sizes[a] for a in axis_names(entries[d])) for d in range(len(shape))]
     for d in sorted(range(len(shape)), key=lambda d: -local[d]):
         if (d >= len(names) or names[d] != "layers") and local[d] % ways == 0:
             return d, axes
@@ -50,7 +46,7 @@ def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_si
         return spec
     d, axes = found
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    merged = _axes_of(entries[d]) + axes
+    merged = axis_names(entries[d]) + axes
     entries[d] = merged[0] if len(merged) == 1 else merged
     return PartitionSpec(*entries)
 
@@ -58,7 +54,7 @@ def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], names: tuple, mesh_si
 def _filter(spec: PartitionSpec, keep) -> PartitionSpec:
     out = []
     for entry in spec:
-        kept = tuple(a for a in _axes_of(entry) if keep(a))
+        kept = tuple(a for a in axis_names(entry) if keep(a))
         out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return PartitionSpec(*out)
 

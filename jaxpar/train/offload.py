@@ -20,34 +20,31 @@ import dataclasses
 
 import jax
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.model.axes import is_stacked
+from jaxpar.model.axes import is_stacked, is_variable
 from jaxpar.train.loss_scale import unless_skipped
 
 STACKED, REST, SHARED = "stacked", "rest", "shared"
 
 
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
 
 def _kinds(tree):
     """Per leaf: STACKED (a per-layer weight or its state), REST (another weight's), SHARED (a plain
     array of the optimizer, such as its step count: needed by both parts)."""
-    return jax.tree.map(lambda x: (STACKED if is_stacked(x) else REST) if _is_var(x) else SHARED, tree, is_leaf=_is_var)
+    return jax.tree.map(lambda x: (STACKED if is_stacked(x) else REST) if is_variable(x) else SHARED, tree,
+                        is_leaf=is_variable)
 
 
 def _part(tree, kinds, wanted: tuple):
     """The leaves of `tree` whose kind is in `wanted`, the others None (optax skips None leaves)."""
     return jax.tree.map(lambda x, k: x if k in wanted else None, tree, kinds,
-                        is_leaf=lambda x: x is None or _is_var(x) or isinstance(x, PartitionSpec))
+                        is_leaf=lambda x: x is None or is_variable(x) or isinstance(x, PartitionSpec))
 
 
 def _merge(a, b):
     """Leaves from `a` where it has them, else from `b` (two parts of one tree)."""
-    return jax.tree.map(lambda x, y: y if x is None else x, a, b, is_leaf=lambda x: x is None or _is_var(x))
+    return jax.tree.map(lambda x, y: y if x is None else x, a, b, is_leaf=lambda x: x is None or is_variable(x))
 
 
 def layerwise(update: optax.GradientTransformation, abstract_params) -> bool:

@@ -6,10 +6,9 @@ from typing import NamedTuple
 
 import jax
 import optax
-from flax import nnx
 
 from jaxpar.config import TrainConfig
-from jaxpar.model.axes import logical_names
+from jaxpar.model.axes import is_variable, logical_names
 from jaxpar.train.offload import layerwise
 
 
@@ -46,7 +45,7 @@ def _decay_mask(params):
     def is_matrix(x):
         return sum(n != "layers" for n in logical_names(x, x.get_value().ndim)) >= 2
 
-    return jax.tree.map(lambda v: v.replace(is_matrix(v)), params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(lambda v: v.replace(is_matrix(v)), params, is_leaf=is_variable)
 
 
 def make_optimizer(t: TrainConfig, update: optax.GradientTransformation | None = None) -> optax.GradientTransformation:
