@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxpar.parallel import pipeline
 from jaxpar.parallel.pipeline import (
     B_FIRST,
     B_LAST,
@@ -26,10 +27,9 @@ from jaxpar.parallel.pipeline import (
     StageFns,
     action_arrays,
     chunk_params,
-    first_or_last_chunk,
     local_layers,
     microbatch,
-    stash_read,
+    probe,
     stash_write,
     switch_index,
     zeros_like_shapes,
@@ -70,17 +70,18 @@ class _TickInputs:
     @property
     def x_in(self) -> jax.Array:
         """The chunk's stashed input."""
-        return stash_read(self.stash.x, self.slot)
+        return pipeline.stash_read(self.stash.x, self.slot)
 
     @property
     def g_in(self) -> jax.Array:
         """The stashed cotangent of the chunk's output."""
-        return stash_read(self.stash.g, self.slot)
+        return pipeline.stash_read(self.stash.g, self.slot)
 
     @property
     def stored(self) -> dict:
         """The residuals the chunk's forward kept."""
-        return {name: [stash_read(buf, self.slot) for buf in bufs] for name, bufs in self.stash.residuals.items()}
+        residuals = self.stash.residuals.items()
+        return {name: [pipeline.stash_read(buf, self.slot) for buf in bufs] for name, bufs in residuals}
 
 
 class _OneFOneB:
@@ -99,9 +100,7 @@ class _OneFOneB:
         self.layers_per_chunk = local_layers(params, is_stacked) // v
         self.compute = fns.cast(params)  # once per step; residuals refer to these weights, never copy them
         self.branch, self.micro, self.chunk = action_arrays(table)
-        tokens0, rows0 = microbatch(batch_M, 0)
-        x_aval = jax.eval_shape(fns.embed, self.compute, tokens0)
-        self.zeros_x = jnp.zeros(x_aval.shape, x_aval.dtype)
+        tokens0, rows0, self.zeros_x = probe(fns, self.compute, batch_M)
         self.d_aux = jnp.asarray(1.0 / table.microbatches, jnp.float32)  # the objective is the mean over microbatches
         self.ring = S > 1 and v > 1  # interleaved chunks wrap from the last device back to the first
         self.forward_perm = [(i, (i + 1) % S) for i in range(S if self.ring else S - 1)]
@@ -164,10 +163,10 @@ class _OneFOneB:
         prev, nxt = (s - 1) % S, (s + 1) % S
         got_f = ((branch[t, prev] == F_FIRST) | (branch[t, prev] == F_MID)) & ((s > 0) | self.ring)
         f_slot = (micro[t, prev] % K, (chunk[t, prev] + 1) // S)
-        x = stash_write(stash.x, f_slot, jnp.where(got_f, recv_f, stash_read(stash.x, f_slot)))
+        x = stash_write(stash.x, f_slot, jnp.where(got_f, recv_f, pipeline.stash_read(stash.x, f_slot)))
         got_b = ((branch[t, nxt] == B_MID) | (branch[t, nxt] == B_LAST)) & ((s < S - 1) | self.ring)
         b_slot = (micro[t, nxt] % K, (chunk[t, nxt] - 1) // S)
-        g = stash_write(stash.g, b_slot, jnp.where(got_b, recv_b, stash_read(stash.g, b_slot)))
+        g = stash_write(stash.g, b_slot, jnp.where(got_b, recv_b, pipeline.stash_read(stash.g, b_slot)))
         return dataclasses.replace(stash, x=x, g=g)
 
     def idle(self, i: _TickInputs):
@@ -184,11 +183,11 @@ class _OneFOneB:
     def _chunk_forward(self, i: _TickInputs, first, last):
         """(output to send on, loss, stats, residuals by part) of the chunk: the embedding gives the
         first chunk's input, and on the last chunk the head's loss is taken and zeros go on."""
-        x, embed_res = first_or_last_chunk(
+        x, embed_res = pipeline.first_or_last_chunk(
             FIRST_CHUNK_SCOPE, first, lambda: self.embed.split_without_stats(i.p, i.tokens),
             lambda: (i.x_in, self.no_res["embed"]))
         (y, _), stats, layers_res = self.layers.split(i.p, x, i.ids, i.rows)
-        loss, head_res, y = first_or_last_chunk(
+        loss, head_res, y = pipeline.first_or_last_chunk(
             LAST_CHUNK_SCOPE, last, lambda: (*self.head.split_without_stats(i.p, y, i.tokens), self.zeros_x),
             lambda: (jnp.zeros((), jnp.float32), self.no_res["head"], y))
         return y, loss, stats, {"embed": embed_res, "layers": layers_res, "head": head_res}
@@ -205,7 +204,7 @@ class _OneFOneB:
             head_grads, dy = self.head.pullback(stored["head"], i.p, self.zeros_x, i.tokens)(self.d_aux)
             return self._add_chunk_grads(i.grads, head_grads, local_chunk), dy
 
-        grads, dy = first_or_last_chunk(LAST_CHUNK_SCOPE, last, head_backward, lambda: (i.grads, i.g_in))
+        grads, dy = pipeline.first_or_last_chunk(LAST_CHUNK_SCOPE, last, head_backward, lambda: (i.grads, i.g_in))
         layer_grads, dx = self.layers.pullback(stored["layers"], i.p, self.zeros_x, i.ids, i.rows)((dy, self.d_aux))
         grads = self._add_chunk_grads(grads, layer_grads, local_chunk)
 
@@ -213,7 +212,7 @@ class _OneFOneB:
             embed_grads, _ = self.embed.pullback(stored["embed"], i.p, i.tokens)(dx)
             return self._add_chunk_grads(grads, embed_grads, local_chunk), self.zeros_x
 
-        grads, dx = first_or_last_chunk(FIRST_CHUNK_SCOPE, first, embed_backward, lambda: (grads, dx))
+        grads, dx = pipeline.first_or_last_chunk(FIRST_CHUNK_SCOPE, first, embed_backward, lambda: (grads, dx))
         return grads, i.loss_sum, i.stats_sum, self.zeros_x, dx, self.no_kept
 
     def _add_chunk_grads(self, grads, chunk_grads, local_chunk):

@@ -169,6 +169,14 @@ def microbatch(batch_M, m):
     return jax.tree.map(lambda a: a[m], batch_M)
 
 
+
+def probe(fns: StageFns, compute, batch_M):
+    """(the first microbatch's tokens and rows, a zero activation of the embedding's output): what an
+    executor traces its tick functions' shapes with."""
+    tokens0, rows0 = microbatch(batch_M, 0)
+    x_aval = jax.eval_shape(fns.embed, compute, tokens0)
+    return tokens0, rows0, jnp.zeros(x_aval.shape, x_aval.dtype)
+
 def stash_read(buf, slot):
     """buf[slot] for a slot of non-negative traced indices into buf's leading axes: one dynamic slice,
     without the sign checks and clamps that jnp indexing adds per index (and a stash of many

@@ -32,6 +32,7 @@ from jaxpar.parallel.pipeline import (
     first_or_last_chunk,
     local_layers,
     microbatch,
+    probe,
     stash_read,
     stash_write,
     switch_index,
@@ -81,9 +82,7 @@ class _ZeroBubble:
         self.per_chunk = local_layers(params, is_stacked) // table.virtual
         self.compute = fns.cast(params)  # once per step; residuals refer to these weights, never copy them
         self.branch, self.micro, self.chunk = action_arrays(table)
-        tokens0, rows0 = microbatch(batch_M, 0)
-        x_aval = jax.eval_shape(fns.embed, self.compute, tokens0)
-        self.zeros_x = jnp.zeros(x_aval.shape, x_aval.dtype)
+        tokens0, rows0, self.zeros_x = probe(fns, self.compute, batch_M)
         self.d_aux = jnp.asarray(1.0 / table.microbatches, jnp.float32)  # the objective is the mean over microbatches
         self.embed = Residuals(lambda p, tokens: (fns.embed(p, tokens), {}))
         self.layers = Residuals(lambda p, x, ids, rows: fns.layers(p, x, ids, rows))
