@@ -25,6 +25,14 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
                f" = {sizes['data']} x {sizes['expert']} x {t.grad_accum}.")
 
 
+def routed_tokens_per_device(cfg: Config, sizes: dict[str, int]) -> int:
+    """Tokens one device routes at a time: its share of the batch (of one accumulation or pipeline
+    microbatch)."""
+    t = cfg.train
+    microbatches = cfg.parallel.pipeline.microbatches if sizes["stage"] > 1 else t.grad_accum
+    return t.batch_size // (sizes["data"] * sizes["expert"] * microbatches) * cfg.model.seq_len
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroStage:
     """ZeRO by what it shards over the data-parallel devices (parallel.zero = 0 ... 3)."""

@@ -5,18 +5,11 @@ and its options under model.moe. Derives model.moe.group_size=0 for the mesh."""
 from __future__ import annotations
 
 from jaxpar.config import Config
+from jaxpar.features.data import routed_tokens_per_device
 from jaxpar.features.feature import Checks, Switch, axis
 
 SWITCHES = (Switch("mesh.expert", axis("expert"), reference=1, searched=True, with_local_sgd=False),)
 MAX_AUTO_GROUP = 256
-
-
-def routed_tokens_per_device(cfg: Config, sizes: dict[str, int]) -> int:
-    """Tokens one device routes at a time: its share of the batch (of one accumulation or pipeline
-    microbatch)."""
-    t = cfg.train
-    microbatches = cfg.parallel.pipeline.microbatches if sizes["stage"] > 1 else t.grad_accum
-    return t.batch_size // (sizes["data"] * sizes["expert"] * microbatches) * cfg.model.seq_len
 
 
 def checks(cfg: Config, sizes: dict[str, int]) -> Checks:

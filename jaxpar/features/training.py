@@ -15,7 +15,7 @@ When the logits are no larger than the hidden states, the count is 1: chunks wou
 from __future__ import annotations
 
 from jaxpar.config import Config
-from jaxpar.features.experts import routed_tokens_per_device
+from jaxpar.features.data import routed_tokens_per_device
 from jaxpar.features.feature import Checks, Switch, unless
 
 SWITCHES = (

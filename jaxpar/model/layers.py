@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.config import ModelConfig
 from jaxpar.model.axes import ones_param
+
+if TYPE_CHECKING:  # annotations only
+    from jaxpar.config import ModelConfig
 
 
 class RMSNorm(nnx.Module):

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from jaxpar.charts import plot_loss
 from jaxpar.data.sources import token_source
 from jaxpar.data.token_folder import is_token_folder
+from jaxpar.plan import machine
 from jaxpar.runtime.distributed import ENV_ATTEMPT, StopAgreement, is_secondary
 from jaxpar.runtime.elastic import record_rows
 from jaxpar.runtime.goodput import TIMELINE, Timeline, current_job, goodput
@@ -27,6 +28,7 @@ from jaxpar.runtime.jsonl import append_jsonl, read_jsonl
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.local_copy import LocalCopies
+from jaxpar.train.model_flops import utilization
 from jaxpar.train.report import write_json_atomic, write_jsonl_atomic
 from jaxpar.train.sample import sample_text
 from jaxpar.train.saves import Saves, resume
@@ -314,9 +316,6 @@ def _utilization(session: Session, trainer: Trainer, tokens_per_s: float | None)
     """The machine (jaxpar.plan.machine) and the MFU of the median tokens/s (jaxpar.train.model_flops.utilization).
     On a CPU, one 2048^3 matmul in the compute dtype is timed on the machine's first run, then read from
     the cache."""
-    from jaxpar.plan import machine
-    from jaxpar.train.model_flops import utilization
-
     compute = session.precision.compute
     record = machine.cached_describe(session.devices, (compute,) if session.devices[0].platform == "cpu" else ())
     if tokens_per_s is None or trainer.model is not None:  # no step timed, or a model of its own (FLOPs unknown)

@@ -16,11 +16,15 @@ outputs stay on the device as well; 'none' and 'full' keep nothing else.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.model.transformer import LayerScan
+if TYPE_CHECKING:  # annotations only
+    from jaxpar.model.transformer import LayerScan
+
 
 # Per-layer checkpoint policies; 'sqrt' checkpoints whole segments instead (see _segmented_scan).
 REMAT_POLICIES = {

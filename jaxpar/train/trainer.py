@@ -24,6 +24,7 @@ import jaxpar.train.local_sgd as local_sgd
 from jaxpar.config import Config, ConfigError
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.features import layout_rules
+from jaxpar.interop.hf_weights import load_params
 from jaxpar.model.protocol import is_block_model
 from jaxpar.model.transformer import Transformer
 from jaxpar.parallel.layout import Layout
@@ -121,7 +122,6 @@ class Trainer:
         device reading its own slices), else freshly initialized."""
         if self.session.hf_checkpoint is None:
             return self._create_fresh()
-        from jaxpar.interop.hf_weights import load_params
 
         params, _ = load_params(self.session.hf_checkpoint, self.cfg.model, self.param_shardings)
         return self._create_from(params)

@@ -16,6 +16,7 @@ from jaxpar.session import Session, on_devices
 from jaxpar.train.checkpoint import flat_by_path
 from jaxpar.train.routing_check import RoutingCheck
 from jaxpar.train.trainer import Trainer
+from jaxpar.train.verify_local import verify_local
 
 DEFAULT_STEPS = 3
 
@@ -38,7 +39,6 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     traced = bool(cfg.model.moe.experts) and model is None  # jaxpar's MoE records and replays its routing
     layout = Trainer(session, model, rules, trace_routing=traced)
     if layout.strategy.replicas:  # local SGD: against R single-device replicas synchronized by NumPy
-        from jaxpar.train.verify_local import verify_local
 
         loss_errors, errors = verify_local(session, layout, reference_config(cfg), cfg.train.steps, log)
         loss_tol, param_tol = session.precision.tolerances

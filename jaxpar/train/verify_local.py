@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxpar.session import Session, on_devices
 from jaxpar.train.checkpoint import flat_by_path
+from jaxpar.train.trainer import Trainer
 
 
 def _outer_numpy(replicas: list[dict], outer: dict, p) -> list[dict]:
@@ -40,7 +41,6 @@ def _with_params(state, flat: dict, put):
 def verify_local(session: Session, layout, reference_cfg, steps: int, log) -> tuple[list[float], dict]:
     """(loss relative errors per step, {replica/path: parameter relative error}) of the layout's
     trainer `layout` against R single-device replicas."""
-    from jaxpar.train.trainer import Trainer
 
     cfg, p = session.cfg, session.cfg.parallel
     R = layout.strategy.replicas
