@@ -25,6 +25,9 @@ from jaxpar.features import with_derived
 from jaxpar.interop.hf_config import config_for, family_of
 from jaxpar.interop.hf_weights import load_params, open_checkpoint, save_params
 from jaxpar.model.transformer import Transformer
+from jaxpar.parallel.layout import Layout
+from jaxpar.runtime.devices import make_mesh
+from jaxpar.train.saved_run import SavedRun
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}
@@ -54,8 +57,6 @@ def load(folder: str | Path, dtype: str = "float32", progress: bool = False, **o
 def split_over_devices(cfg: Config):
     """Shardings that split a model of `cfg` over every local device (ZeRO-3 over a data axis): where an
     export puts the weights it restores, so no device holds the whole model."""
-    from jaxpar.parallel.layout import Layout
-    from jaxpar.runtime.devices import make_mesh
 
     devices = jax.local_devices()
     sizes = {**dict.fromkeys(MESH_AXES, 1), "data": len(devices)}
@@ -86,7 +87,6 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, dt
                progress: bool = True) -> dict:
     """`jaxpar export-hf`: the weights of a run's checkpoint (the newest, or `step`) as a Hugging Face
     checkpoint in `out`. Returns what was written."""
-    from jaxpar.train.saved_run import SavedRun
 
     _dtype_name(dtype)
     run = SavedRun(run_dir)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from jaxpar.config.command_flags import check_launch_flags
 from jaxpar.errors import EXIT_LOST, EXIT_USAGE
 from jaxpar.runtime import distributed
+from jaxpar.runtime.devices import has_accelerator_plugin
 
 # glog lines (I1129 11:03:11.66 123 file.cc:45] ...), their stack frames, and gloo's connection chatter
 _RUNTIME_LOG = re.compile(rb"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]|\s+@\s+0x|\*\*\* |"
@@ -99,7 +100,6 @@ def _describe(rc: int) -> str:
 def _child_env(slot: int, rank: int, processes: int, devices_per_process: int | None, port: int,
                attempt: int | None = None) -> dict:
     """The environment of the process of `slot` (its GPUs), the `rank`-th of `processes` in this attempt."""
-    from jaxpar.runtime.devices import has_accelerator_plugin
 
     env = dict(os.environ)
     env.update({distributed.ENV_COORDINATOR: f"127.0.0.1:{port}", distributed.ENV_NUM_PROCESSES: str(processes),

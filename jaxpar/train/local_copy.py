@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.runtime import distributed
 from jaxpar.train.checkpoint import CheckpointMismatch, Restored, check_compatible, flat_by_path, state_spec
@@ -209,7 +210,6 @@ def _first_devices() -> list:
 @functools.cache
 def _permute(shift: int):
     """A jitted collective-permute of one row per process to process (p + shift) mod N, and its sharding."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.asarray(_first_devices()), ("process",))
     count = mesh.devices.size
