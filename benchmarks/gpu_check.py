@@ -151,6 +151,9 @@ def main() -> int:
     parser = step_parser(__doc__, steps=10, warmup=2)
     parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, one timed step")
     parser.add_argument("--results", type=Path, help="append the table to this markdown file")
+    parser.add_argument("--commit", default=git_commit(),
+                        help="the commit to stamp (default: this checkout's; a device machine's copy of the tree "
+                             "may carry an older .git)")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # a child's settings, as JSON
     args = parser.parse_args()
     if args.row is not None:
@@ -163,11 +166,11 @@ def main() -> int:
     text = table(rows, verifies)
     print(text)
     if args.results is not None:
-        stamp = f"{datetime.date.today()}, commit {git_commit()}, one {device}"
+        stamp = f"{datetime.date.today()}, commit {args.commit}, one {device}"
         with args.results.open("a") as out:
             out.write(f"\n### GPU check ({stamp}{', dry run' if args.dry_run else ''})\n\n"
                       f"`python benchmarks/gpu_check.py`: {warmup} warm-up + {steps} timed steps a row.\n\n{text}\n")
-    print(json.dumps({"benchmark": "gpu_check", "dry_run": args.dry_run, "device": device, "commit": git_commit(),
+    print(json.dumps({"benchmark": "gpu_check", "dry_run": args.dry_run, "device": device, "commit": args.commit,
                       "rows": rows, "verify": verifies}))
     failed = [r for r in rows if "error" in r] + [v for v in verifies if not v.get("ok")]
     return 1 if failed else 0
