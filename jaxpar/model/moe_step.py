@@ -35,9 +35,10 @@ class ExpertTerms:
     def row_inputs(self, step: jax.Array, rows: int, replay_BULE: jax.Array | None):
         """(a routing-noise PRNG key per row, or None; the routing trace, or None). The keys fold in the
         step and the row's index, so they do not depend on which device or microbatch holds the row."""
-        noisy = bool(self.moe.experts) and self.moe.noise and self.moe.chooses_top_k
-        step_key = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)  # the same on every layout
-        noise_B = row_keys(step_key, rows) if noisy else None
+        noise_B = None
+        if self.moe.experts and self.moe.noise and self.moe.chooses_top_k:
+            step_key = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)  # the same on every layout
+            noise_B = row_keys(step_key, rows)
         if self.traced_units == 0:
             return noise_B, None
         return noise_B, RoutingTrace(jnp.eye(rows, dtype=jnp.float32), replay_BULE, units=self.traced_units)

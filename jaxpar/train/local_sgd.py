@@ -140,7 +140,8 @@ class LocalSGD:
         self.p, self.replicas = p, replicas
 
     def state_layout(self, layout, relayout):
-        """relayout(rules) -> Layout: the layout of one replica's state (ZeRO-0, rows not split)."""
+        """relayout(rules) -> Layout: the layout of one replica's state (rows not split; ZeRO-0 and fp32
+        reductions, since local SGD takes neither switch: jaxpar.features.not_with_local_sgd)."""
         return relayout(replica_rules(dict(layout.rules)))
 
     def specs(self, specs):

@@ -53,13 +53,13 @@ class Trainer:
                  rules: Mapping | None = None, trace_routing: bool = False):
         self.session, self.model, self.rules, self.trace_routing = session, model, rules, trace_routing
         self.cfg, self.mesh, self.precision = session.cfg, session.mesh, session.precision
-        self._lay_out(session, model, rules)
+        self._lay_out()
         self.step, self.eval_loss = self._compile_steps()
 
-    def _lay_out(self, session: Session, model, rules) -> None:
+    def _lay_out(self) -> None:
         """The model, its layout and the state's shardings, for jaxpar's Transformer or for `model` (a
         builder from nnx.Rngs) whose own logical names `rules` maps to mesh axes."""
-        cfg, mesh = session.cfg, session.mesh
+        session, model, cfg, mesh = self.session, self.model, self.cfg, self.mesh
         if model is not None and cfg.model.from_hf:
             raise ConfigError("model.from_hf loads a checkpoint into jaxpar's Transformer; a module of your own "
                               "(model=...) cannot take it.")
@@ -69,7 +69,7 @@ class Trainer:
         check_model_fits(block_model, type(abstract_model).__name__, cfg, session.mesh_sizes)
         graphdef, abstract_params = nnx.split(abstract_model)
         stacked_at = abstract_model.STACKED_AT if block_model else ()
-        rules = {**layout_rules(RULES, cfg, session.mesh_sizes), **(rules or {})}
+        rules = {**layout_rules(RULES, cfg, session.mesh_sizes), **(self.rules or {})}
 
         def relayout(rules: dict) -> Layout:
             return Layout.build(mesh, abstract_params, stacked_at, cfg.parallel, self.precision, rules)
