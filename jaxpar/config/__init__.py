@@ -20,7 +20,9 @@ from typing import Literal, Union
 
 import yaml
 
+from jaxpar.config.adapters import LoRAConfig
 from jaxpar.config.moe import MoEConfig
+from jaxpar.config.preference import PreferenceConfig
 from jaxpar.errors import ConfigError
 
 
@@ -63,6 +65,7 @@ class ModelConfig:
     # and the first step starts from its weights
     from_hf: str = ""
     moe: MoEConfig = MoEConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     @property
     def kv_heads(self) -> int:
@@ -132,6 +135,9 @@ class TrainConfig:
     # pinned host memory for the optimizer state (brought to the device for the update), full remat's layer inputs
     offload: Literal["none", "optimizer", "activations", "both"] = "none"
     loss_chunks: int = 1  # logits + loss in N strided chunks of the sequence (train/chunked_loss.py); 0: automatic
+    # what training minimizes: next-token cross-entropy (sft), or a preference loss on chosen/rejected pairs
+    objective: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
+    preference: PreferenceConfig = PreferenceConfig()
 
     @property
     def offloads_optimizer(self) -> bool:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.model.adapters import adapted, adapters
 from jaxpar.model.axes import (
     column_parallel,
     constrain,
@@ -60,6 +61,11 @@ class Attention(nnx.Module):
         # GPT-2 style: residual projections scaled down with depth.
         self.wo = param(rngs.params(), (H, K, D), ("heads", "kv", "embed"),
                         (H * K) ** -0.5 / math.sqrt(2 * cfg.n_layers))
+        q_out, kv_out = ((H, K), ("heads", "kv")), ((G, K), ("kv_heads", "kv"))
+        projection = lambda out: (((), (D,), out[0]), ((), ("embed",), out[1]))  # noqa: E731
+        lora = adapters(cfg.lora, rngs, {"q": projection(q_out), "k": projection(kv_out), "v": projection(kv_out),
+                                         "o": (((), (H, K), (D,)), ((), ("heads", "kv"), ("embed",)))})
+        self.lora_q, self.lora_k, self.lora_v, self.lora_o = lora["q"], lora["k"], lora["v"], lora["o"]
         self.frequencies = rope_frequencies(cfg) if cfg.positions == "rope" else None
         self.kernel = cfg.attention
         self.flash_blocks = cfg.flash_blocks()
@@ -105,7 +111,7 @@ class Attention(nnx.Module):
         """The heads' outputs through the output projection, into the residual stream."""
         names, residual = ("batch", "seq", "heads", "kv"), ("batch", "residual_seq", "embed")
         out_BLHK = constrain(out_BLHK, names)
-        return constrain(row_parallel("BLHK,HKD->BLD", out_BLHK, self.wo, names, residual), residual)
+        return constrain(row_parallel("BLHK,HKD->BLD", out_BLHK, adapted(self.wo, self.lora_o), names, residual), residual)
 
     def project(self, x_BLD: jax.Array, positions: jax.Array | None = None):
         """q (B, L, H, K) and k, v (B, L, G, K), G the key/value heads, with biases, head norms and
@@ -113,14 +119,14 @@ class Attention(nnx.Module):
         names, kv_names = ("batch", "seq", "heads", "kv"), ("batch", "seq", "kv_heads", "kv")
         residual = ("batch", "residual_seq", "embed")
         if self.fused_qkv:
-            qkv_BLQHK = column_parallel("BLD,DQHK->BLQHK", x_BLD, self.w_qkv, residual,
+            qkv_BLQHK = column_parallel("BLD,DQHK->BLQHK", x_BLD, adapted(self.w_qkv, self._qkv_adapters, 1), residual,
                                         ("batch", "seq", None, "heads", "kv"))
             if self.b_qkv is not None:
                 qkv_BLQHK = qkv_BLQHK + self.b_qkv[...]
             q_BLHK, k_BLGK, v_BLGK = (constrain(qkv_BLQHK[:, :, i], names) for i in range(3))
         else:
-            q_BLHK = column_parallel("BLD,DHK->BLHK", x_BLD, self.w_q, residual, names)
-            kv_BLQGK = column_parallel("BLD,DQGK->BLQGK", x_BLD, self.w_kv, residual,
+            q_BLHK = column_parallel("BLD,DHK->BLHK", x_BLD, adapted(self.w_q, self.lora_q), residual, names)
+            kv_BLQGK = column_parallel("BLD,DQGK->BLQGK", x_BLD, adapted(self.w_kv, self._qkv_adapters[1:], 1), residual,
                                        ("batch", "seq", None, "kv_heads", "kv"))
             if self.b_q is not None:
                 q_BLHK, kv_BLQGK = q_BLHK + self.b_q[...], kv_BLQGK + self.b_kv[...]
@@ -132,6 +138,10 @@ class Attention(nnx.Module):
             q_BLHK = rotary(q_BLHK, self.frequencies, positions)
             k_BLGK = rotary(k_BLGK, self.frequencies, positions)
         return q_BLHK, k_BLGK, v_BLGK
+
+    @property
+    def _qkv_adapters(self):
+        return self.lora_q, self.lora_k, self.lora_v
 
 
 @jax.tree_util.register_dataclass

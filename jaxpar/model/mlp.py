@@ -8,6 +8,7 @@ import jax
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.model.adapters import adapted, adapters
 from jaxpar.model.axes import column_parallel, constrain, param, row_parallel
 
 
@@ -26,14 +27,18 @@ class MLP(nnx.Module):
         else:
             self.w_up = param(rngs.params(), (D, F), ("embed", "mlp"), D ** -0.5)
         self.w_down = param(rngs.params(), (F, D), ("mlp", "embed"), F ** -0.5 / math.sqrt(2 * cfg.n_layers))
+        into, out_of = (((), (D,), (F,)), ((), ("embed",), ("mlp",))), (((), (F,), (D,)), ((), ("mlp",), ("embed",)))
+        lora = adapters(cfg.lora, rngs, {"gate": into, "up": into, "down": out_of})
+        self.lora_gate, self.lora_up, self.lora_down = (lora["gate"] if self.gated else None), lora["up"], lora["down"]
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         residual, hidden = ("batch", "residual_seq", "embed"), ("batch", "seq", "mlp")
         if self.gated:
-            gate_up_BLQF = column_parallel("BLD,DQF->BLQF", x_BLD, self.w_gate_up, residual,
+            gate_up_BLQF = column_parallel("BLD,DQF->BLQF", x_BLD, adapted(self.w_gate_up, (self.lora_gate, self.lora_up), 1),
+                                           residual,
                                            ("batch", "seq", None, "mlp"))
             h_BLF = jax.nn.silu(gate_up_BLQF[:, :, 0]) * gate_up_BLQF[:, :, 1]
         else:
-            h_BLF = jax.nn.gelu(column_parallel("BLD,DF->BLF", x_BLD, self.w_up, residual, hidden))
+            h_BLF = jax.nn.gelu(column_parallel("BLD,DF->BLF", x_BLD, adapted(self.w_up, self.lora_up), residual, hidden))
         h_BLF = constrain(h_BLF, hidden)
-        return constrain(row_parallel("BLF,FD->BLD", h_BLF, self.w_down, hidden, residual), residual)
+        return constrain(row_parallel("BLF,FD->BLD", h_BLF, adapted(self.w_down, self.lora_down), hidden, residual), residual)

@@ -18,6 +18,7 @@ from flax import nnx
 
 import jaxpar.model.routers as routers
 from jaxpar.config import ModelConfig
+from jaxpar.model.adapters import adapted, adapters
 from jaxpar.model.axes import constrain, expert_all_to_all, expert_gather, expert_shard, param, zeros_param
 from jaxpar.model.dropless import dropless_experts
 from jaxpar.model.mlp import MLP
@@ -42,6 +43,10 @@ class MoE(nnx.Module):
             self.w_up = param(rngs.params(), (E, D, F), ("expert", "embed", "mlp"), D ** -0.5)
         self.w_down = param(rngs.params(), (E, F, D), ("expert", "mlp", "embed"),
                             F ** -0.5 / math.sqrt(2 * cfg.n_layers))
+        into = (((E,), (D,), (F,)), (("expert",), ("embed",), ("mlp",)))
+        lora = adapters(cfg.lora, rngs, {"gate": into, "up": into,
+                                         "down": (((E,), (F,), (D,)), (("expert",), ("mlp",), ("embed",)))}, "experts")
+        self.lora_gate, self.lora_up, self.lora_down = (lora["gate"] if self.gated else None), lora["up"], lora["down"]
         # Shared experts: N always-on experts of width F sum to one MLP of width N x F.
         self.shared = (MLP(dataclasses.replace(cfg, d_ff=moe.shared * F, mlp=moe.mlp), rngs=rngs)
                        if moe.shared else None)
@@ -91,7 +96,7 @@ class MoE(nnx.Module):
         x_EGCD = jnp.einsum("GNEC,GND->EGCD", dispatch.astype(dtype), x_GND)
         x_EGCD = expert_all_to_all(x_EGCD, inverse=False)  # local experts, every shard's groups
         h_EGCF = self._hidden(lambda w_EDF: jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_EDF))
-        y_EGCD = jnp.einsum("EGCF,EFD->EGCD", h_EGCF, self.w_down[...])
+        y_EGCD = jnp.einsum("EGCF,EFD->EGCD", h_EGCF, adapted(self.w_down, self.lora_down)[...])
         y_EGCD = expert_all_to_all(y_EGCD, inverse=True)  # back to the shard that owns the groups
         y_GND = jnp.einsum("GNEC,EGCD->GND", combine.astype(dtype), y_EGCD)
         tokens_E = jnp.sum(dispatch, axis=(0, 1, 3))
@@ -108,7 +113,7 @@ class MoE(nnx.Module):
         G, N, D = x_GND.shape
         x_TD, experts_TK, gates_TK = (expert_gather(a.reshape(G * N, *a.shape[2:]), inverse=False) for a in
                                       (x_GND, choices.experts_GNK, choices.gates_GNK * self.routed_scale))
-        w_down = self.w_down[...]
+        w_down = adapted(self.w_down, self.lora_down)[...]
         first = expert_shard() * w_down.shape[0]  # the experts held here (all without expert parallelism)
         hidden = lambda x_AD, sizes_E: self._hidden(lambda w_EDF: jax.lax.ragged_dot(x_AD, w_EDF, sizes_E))  # noqa: E731
         y_TD = expert_gather(dropless_experts(x_TD, experts_TK, gates_TK, hidden, w_down, first), inverse=True)
@@ -143,9 +148,9 @@ class MoE(nnx.Module):
         """Each expert's hidden activations, gelu(x W_up) or silu(x W_gate) * (x W_up), where
         matmul(w_EDF) multiplies the tokens by every expert's weight (dense slots or sorted rows)."""
         if self.gated:
-            w = self.w_gate_up[...]
+            w = adapted(self.w_gate_up, (self.lora_gate, self.lora_up), 2)[...]
             return jax.nn.silu(matmul(w[:, :, 0])) * matmul(w[:, :, 1])
-        return jax.nn.gelu(matmul(self.w_up[...]))
+        return jax.nn.gelu(matmul(adapted(self.w_up, self.lora_up)[...]))
 
 def bias_balance_term(bias_E: jax.Array, chosen_E: jax.Array) -> jax.Array:
     """Zero, whose gradient with respect to the bias is each expert's load above the mean: summed

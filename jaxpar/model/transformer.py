@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.model.adapters import freeze
 from jaxpar.model.attention import Attention, KVCache
 from jaxpar.model.axes import column_parallel, constrain, param
 from jaxpar.model.layers import RMSNorm
@@ -100,6 +101,8 @@ class Transformer(nnx.Module):
         self.blocks_per_unit = cfg.moe.every if cfg.moe.experts else 1
         self.final_norm = RMSNorm(D, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), D ** -0.5)
+        if cfg.lora.enabled:  # only the adapters train
+            freeze(self, cfg.lora)
 
     def __call__(self, tokens_BL: jax.Array, segments: Segments | None = None) -> jax.Array:
         """Logits of the tokens; with `segments`, of each packed document as if it ran alone."""

@@ -74,7 +74,7 @@ def gpipe_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer_ids, 
         loss_sum = _spread_head_losses(fns, params, outputs, tokens_MbT, table, s, axis)
         return (loss_sum + aux_sum) / M, (loss_sum / M, stats_sum)
 
-    (_, (loss, stats)), grads = jax.value_and_grad(local_loss, has_aux=True)(params)
+    (_, (loss, stats)), grads = jax.value_and_grad(local_loss, has_aux=True, allow_int=True)(params)
     return loss, stats, grads
 
 

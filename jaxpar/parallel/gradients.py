@@ -22,6 +22,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxpar.model.adapters import trainable
 from jaxpar.model.axes import is_variable, layout_hooks, path_names
 from jaxpar.parallel.hooks import ManualHooks, PartitionerHooks
 from jaxpar.parallel.layout import Layout
@@ -35,7 +36,8 @@ def gradients(layout: Layout, grad_fn: Callable, params, batch, *args):
 
     Under shard_map grad_fn sees its local batch shard (every array of `batch` is cut on its
     rows), and stats (the loss and any other per-shard averages) and gradients come back summed
-    over the data-parallel axes and divided by their size (the mean over equal shards).
+    over the data-parallel axes and divided by their size (the mean over equal shards). A frozen
+    weight's gradient is None (jaxpar.model.adapters).
     Partitioned by the compiler, it sees the global batch and its means are the global ones
     already. Gradients are in the `grad_specs` layout.
     """
@@ -49,7 +51,7 @@ def gradients(layout: Layout, grad_fn: Callable, params, batch, *args):
             stats, grads = grad_fn(hooks, target, batch, *args)
         # (a pipeline's loss is nonzero on the last stage only, hence the sum over `stage` too)
         stats = jax.tree.map(lambda x: jax.lax.psum(x, layout.manual) / layout.manual_batch_ways, stats)
-        grads = jax.tree_util.tree_map_with_path(lambda p, g: _reduce(layout, g, path_names(p)), grads,
+        grads = jax.tree_util.tree_map_with_path(lambda p, g: _reduce(layout, g, path_names(p)), trainable(grads),
                                                  is_leaf=is_variable)
         return stats, grads
 
@@ -57,6 +59,7 @@ def gradients(layout: Layout, grad_fn: Callable, params, batch, *args):
         hooks = PartitionerHooks(layout)
         with layout_hooks(hooks):
             stats, grads = grad_fn(hooks, params, batch, *args)
+        grads = trainable(grads)
     else:
         manual_in = jax.tree.map(lambda s: manual_part(s, layout.manual), layout.param_specs(params), is_leaf=is_spec)
         manual_out = jax.tree.map(lambda s: manual_part(s, layout.manual), grad_specs, is_leaf=is_spec)
@@ -75,6 +78,8 @@ def _reduce(layout: Layout, grad: nnx.Variable, path: tuple) -> nnx.Variable:
     ZeRO-2/3 ones were reduce-scattered in backward already), over `stage` too for a weight
     shared by all pipeline stages, then divided by the number of batch shards."""
     plan, value = layout.weights[path], grad.get_value()
+    if value is None:  # a frozen weight's
+        return grad
     if layout.manual_data and not (layout.zero.shards_gradients and plan.zero_dim is not None):
         axes = tuple(a for a in layout.manual_data if a not in plan.used_axes)
         value = summed(value, axes, layout.reduce_dtype).astype(value.dtype) if axes else value

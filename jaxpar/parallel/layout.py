@@ -162,6 +162,8 @@ class Layout:
     def _specs(self, tree, zero: bool):
         def one(x):
             if is_variable(x):
+                if x.get_value() is None:  # a frozen weight's place in the optimizer state (model.lora)
+                    return x
                 shape = x.get_value().shape
                 return x.replace(self.spec(logical_names(x, len(shape)), shape, zero))
             return self.spec((None,) * len(x.shape), x.shape, zero) if getattr(x, "ndim", 0) else PartitionSpec()

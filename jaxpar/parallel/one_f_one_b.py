@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxpar.model.adapters import zero_grad
 from jaxpar.parallel import pipeline
 from jaxpar.parallel.pipeline import (
     B_FIRST,
@@ -127,7 +128,7 @@ class _OneFOneB:
         empty = jnp.zeros((self.K, v) + self.zeros_x.shape, self.zeros_x.dtype)
         residuals = {name: [jnp.zeros((self.K + 1, v) + r.shape, r.dtype) for r in shapes]
                      for name, shapes in self.kept.items()}
-        grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        grads0 = jax.tree.map(zero_grad, params)  # a frozen weight's: zero-size float0
         init = (Stash(empty, empty, residuals), grads0, jnp.zeros((), jnp.float32), self.no_stats)
         (_, grads, loss_sum, stats_sum), _ = jax.lax.scan(self.tick, init, jnp.arange(len(self.table.ticks)))
         return loss_sum / M, stats_sum, grads
@@ -218,7 +219,7 @@ class _OneFOneB:
     def _add_chunk_grads(self, grads, chunk_grads, local_chunk):
         n = self.layers_per_chunk
         return jax.tree.map(
-            lambda g, cg, stacked: jax.lax.dynamic_update_slice_in_dim(
+            lambda g, cg, stacked: g if g.dtype == jax.dtypes.float0 else jax.lax.dynamic_update_slice_in_dim(
                 g, jax.lax.dynamic_slice_in_dim(g, local_chunk * n, n) + cg.astype(g.dtype), local_chunk * n, 0)
             if stacked else g + cg.astype(g.dtype), grads, chunk_grads, self.is_stacked)
 

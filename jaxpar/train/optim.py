@@ -42,8 +42,8 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
 
 def _decay_mask(params):
     # Decay matrices only; norm scales (1 dim per layer) are left alone.
-    def is_matrix(x):
-        return sum(n != "layers" for n in logical_names(x, x.get_value().ndim)) >= 2
+    def is_matrix(x):  # (a frozen weight's leaf is None: jaxpar.model.adapters.trainable)
+        return x.get_value() is not None and sum(n != "layers" for n in logical_names(x, x.get_value().ndim)) >= 2
 
     return jax.tree.map(lambda v: v.replace(is_matrix(v)), params, is_leaf=is_variable)
 

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxpar.config import Config, TrainConfig
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
+from jaxpar.model.adapters import trainable, with_frozen, zero_grad
 from jaxpar.model.axes import layout_hooks
 from jaxpar.model.moe_step import ExpertTerms, routing_stats
 from jaxpar.model.protocol import is_block_model
@@ -157,22 +158,23 @@ def accumulated_grads(loss_fn: Callable, params, batch, microbatches: int, layou
     """(stats, gradients) of loss_fn(params, batch) -> (objective, stats), for the batch mean,
     summed over `microbatches` slices in fp32 (layout.split_microbatches: each stays spread over
     all devices, and MoE routing groups hold the same tokens as without accumulation)."""
-    grad_fn = jax.grad(loss_fn, has_aux=True)
+    grad_fn = jax.grad(loss_fn, has_aux=True, allow_int=True)  # a frozen weight's gradient: zero-size float0
     if microbatches == 1:
         grads, stats = grad_fn(params, batch)
         return stats, grads
     micro = layout.split_microbatches(batch, microbatches)
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zeros = jax.tree.map(zero_grad, params)
     first = jax.tree.map(lambda a: a[0], micro)
     zero_stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(loss_fn, params, first)[1])
 
     def add_one(carry, one):
         stats_sum, grad_sum = carry
         grads, stats = grad_fn(params, one)
-        return (jax.tree.map(jnp.add, stats_sum, stats), jax.tree.map(jnp.add, grad_sum, grads)), None
+        grad_sum = jax.tree.map(lambda s, g: s if s.dtype == jax.dtypes.float0 else s + g, grad_sum, grads)
+        return (jax.tree.map(jnp.add, stats_sum, stats), grad_sum), None
 
     (stats_sum, grad_sum), _ = jax.lax.scan(add_one, (zero_stats, zeros), micro)
-    mean = lambda tree: jax.tree.map(lambda g: g / microbatches, tree)  # noqa: E731
+    mean = lambda tree: jax.tree.map(lambda g: g / microbatches, trainable(tree))  # noqa: E731
     return mean(stats_sum), mean(grad_sum)
 
 
@@ -209,8 +211,10 @@ def _updated(optimizer: Optimizer, state: TrainState, grads, finite, layout: Lay
         placement = Placement(layout.mesh, layout.opt_specs(state.opt_state)[1])
         updates, opt_state = offloaded_update(optimizer, grads, state.opt_state, state.params, placement, finite)
     else:
-        updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
+        params = trainable(state.params)  # the frozen weights have no optimizer state and no update
+        updates, opt_state = optimizer.tx.update(grads, state.opt_state, params)
         opt_state = unless_skipped(finite, opt_state, state.opt_state)
+        return with_frozen(state.params, unless_skipped(finite, optax.apply_updates(params, updates), params)), opt_state
     return unless_skipped(finite, optax.apply_updates(state.params, updates), state.params), opt_state
 
 

@@ -25,6 +25,7 @@ from jaxpar.config import Config, ConfigError
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.features import layout_rules
 from jaxpar.interop.hf_weights import load_params
+from jaxpar.model.adapters import trainable
 from jaxpar.model.protocol import is_block_model
 from jaxpar.model.transformer import Transformer
 from jaxpar.parallel.layout import Layout
@@ -64,7 +65,7 @@ class Trainer:
             raise ConfigError("model.from_hf loads a checkpoint into jaxpar's Transformer; a module of your own "
                               "(model=...) cannot take it.")
         build_model = model or (lambda rngs: Transformer(cfg.model, rngs=rngs))
-        abstract_model = nnx.eval_shape(lambda: build_model(nnx.Rngs(cfg.train.seed)))
+        abstract_model = nnx.eval_shape(lambda: build_model(_rngs(cfg)))
         block_model = is_block_model(abstract_model)
         check_model_fits(block_model, type(abstract_model).__name__, cfg, session.mesh_sizes)
         graphdef, abstract_params = nnx.split(abstract_model)
@@ -79,7 +80,7 @@ class Trainer:
         state_layout = strategy.state_layout(layout, relayout)
         pipeline = PipelinePlan.build(cfg.parallel.pipeline, layout.sizes["stage"],
                                       abstract_model.stacked_layers() if stacked_at else 0)
-        optimizer = Optimizer.build(cfg.train, abstract_params)
+        optimizer = Optimizer.build(cfg.train, trainable(abstract_params))
         specs = strategy.specs(_state_specs(state_layout, abstract_params, optimizer, pipeline))
         opt_memory = "pinned_host" if cfg.train.offloads_optimizer else None
         state_shardings = dataclasses.replace(layout.named(specs), opt_state=layout.named(specs.opt_state, opt_memory))
@@ -109,13 +110,13 @@ class Trainer:
         """The state around `params` (model order; traced): optimizer and loss-scale state, 2BW's
         stale copy, as the strategy starts it."""
         params = self.pipeline.from_model_order(params)
-        state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.tx.init(params),
+        state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.tx.init(trainable(params)),
                            LossScale.initial(self.precision), params if self.pipeline.stale_weights else None)
         return self.strategy.initial(state)
 
     def fresh_params(self) -> nnx.State:
         """Newly initialized parameters (traced, under the state's shardings)."""
-        return nnx.state(self.build_model(nnx.Rngs(self.cfg.train.seed)))
+        return nnx.state(self.build_model(_rngs(self.cfg)))
 
     def init(self) -> TrainState:
         """Create the initial state directly in its sharded layout: from model.from_hf's weights (each
@@ -200,6 +201,12 @@ class Trainer:
         return self.step.lower(self.abstract_state(), self.abstract_batch()).compile(compiler_options)
 
 
+def _rngs(cfg: Config) -> nnx.Rngs:
+    """The model's random streams: the weights' from train.seed, and the adapters' (model.lora) apart,
+    so that the base weights are the same with adapters or without."""
+    return nnx.Rngs(cfg.train.seed, lora=cfg.train.seed + 1)
+
+
 def check_model_fits(block_model: bool, model_name: str, cfg: Config, sizes: dict[str, int]) -> None:
     """What a model without the block protocol (jaxpar.model.protocol: embed, run_blocks and logits
     around stacked layers) cannot do: anything that needs its layers one by one, or its logits from
@@ -220,5 +227,6 @@ def _state_specs(layout: Layout, abstract_params, optimizer: Optimizer, pipeline
     """The partition specs of one replica's state on `layout`."""
     param_specs = layout.param_specs(abstract_params)
     scalar = PartitionSpec()
-    return TrainState(scalar, param_specs, layout.opt_specs(jax.eval_shape(optimizer.tx.init, abstract_params)),
+    return TrainState(scalar, param_specs,
+                      layout.opt_specs(jax.eval_shape(optimizer.tx.init, trainable(abstract_params))),
                       LossScale(scalar, scalar, scalar), param_specs if pipeline.stale_weights else None)
