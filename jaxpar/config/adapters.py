@@ -16,11 +16,8 @@ class LoRAConfig:
     zero, so the first step computes the base model; only A and B train."""
     rank: int = 0  # 0: no adapters, every weight trains
     alpha: float = 16.0
-    dropout: float = 0.0  # on each adapter's input, while training
-    targets: str = "q,k,v,o,gate,up,down"  # a comma list of LORA_TARGETS
-    # how the frozen weights are stored: nf4 (QLoRA's 4-bit NormalFloat) and int8 in blocks of 64 with a scale each,
-    # dequantized layer by layer inside the step
-    base_dtype: Literal["fp32", "bf16", "int8", "nf4"] = "fp32"
+    targets: str = "q,k,v,o,gate,up,down"  # a comma list of LORA_TARGETS (gate: where the MLP has one, swiglu)
+    base_dtype: Literal["fp32", "bf16"] = "fp32"  # how the frozen weights are stored
     from_peft: str = ""  # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from
 
     @property

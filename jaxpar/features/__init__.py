@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from jaxpar.config import MESH_AXES, Config
 from jaxpar.features import (
+    adapters,
     context,
     data,
     experts,
@@ -28,8 +29,8 @@ from jaxpar.features import (
 )
 from jaxpar.features.feature import KEEP, Checks, Switch, first
 
-FEATURES = (run, model, tensor, context, training, data, pipeline, experts, offload, local_sgd, precision)
-NAMED = (pipeline, data, context, tensor, local_sgd, offload, model, training, precision, experts)
+FEATURES = (run, model, tensor, context, training, data, pipeline, experts, offload, local_sgd, precision, adapters)
+NAMED = (pipeline, data, context, tensor, local_sgd, offload, model, training, precision, experts, adapters)
 DERIVED = (training, experts)  # in this order: the automatic loss chunks count the tokens per device
 RULES = (context, tensor)  # in this order: sequence parallelism splits each context slice
 MESH_KEYS = tuple(f"mesh.{axis}" for axis in MESH_AXES)

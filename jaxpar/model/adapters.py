@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config.adapters import LoRAConfig
+from jaxpar.model.axes import constrain
 
 _BITS = {"float32": jnp.uint32, "bfloat16": jnp.uint16}
 _FLOATS = {"fp32": "float32", "bf16": "bfloat16"}
@@ -86,6 +87,38 @@ def adapters(cfg_lora: LoRAConfig, rngs: nnx.Rngs, targets: dict[str, tuple],
             for name, (shapes, names) in targets.items()}
 
 
+def lora_output(x: jax.Array, slots: tuple[Adapter | None, ...] | Adapter | None, x_names: tuple,
+                out_names: tuple, ins: int = 1) -> jax.Array | None:
+    """What the adapters add to a projection's output, (alpha / r) (x A) B, computed that way round: the
+    small (tokens x r) product first, so backward forms only the adapters' gradients (never the weight's)
+    and a data-parallel step sums only those. x: (*lead, *inputs) named x_names; `ins` input dimensions.
+    `slots`: one adapter, or one per slot of a fused projection (the result stacks them on the axis
+    before the outputs, zeros where a slot has none). None where there is no adapter."""
+    many = isinstance(slots, tuple)
+    present = [s for s in (slots if many else (slots,)) if s is not None]
+    if not present:
+        return None
+    lead = x.ndim - ins
+    lead_names = tuple(x_names[:lead])
+
+    def one(adapter: Adapter) -> jax.Array:
+        a, b = adapter.a[...].astype(x.dtype), adapter.b[...].astype(x.dtype)
+        h = jnp.tensordot(x, a, axes=(tuple(range(lead, x.ndim)), tuple(range(ins))))  # (*lead, r)
+        h = constrain(h, (*lead_names, None))
+        return adapter.scale * jnp.tensordot(h, b, axes=((lead,), (0,)))
+
+    if not many:
+        return constrain(one(slots), out_names)
+    outs = [one(s) if s is not None else None for s in slots]
+    zero = jnp.zeros_like(next(o for o in outs if o is not None))
+    return constrain(jnp.stack([zero if o is None else o for o in outs], axis=lead), out_names)
+
+
+def with_lora(y: jax.Array, delta: jax.Array | None) -> jax.Array:
+    """A projection's output plus its adapters' (lora_output), or as it is."""
+    return y if delta is None else y + delta.astype(y.dtype)
+
+
 def adapted(weight: nnx.Variable, slots: tuple[Adapter | None, ...] | Adapter | None, slot_axis: int | None = None):
     """The weight as a layer uses it: W + the adapters' products. `slots`: one adapter for the whole
     weight, or one per slot along `slot_axis` of a fused weight (None where a slot has none). The
@@ -114,6 +147,13 @@ def freeze(module: nnx.Module, lora: LoRAConfig) -> None:
             if isinstance(value, nnx.Param) and not isinstance(value, nnx.LoRAParam):
                 metadata = {k: v for k, v in value.get_metadata().items() if k in ("out_sharding", "eager_sharding")}
                 setattr(node, name, Frozen(encode(value.get_value(), dtype), float=dtype, **metadata))
+
+
+def freeze_state(state):
+    """A state of Frozen variables holding floats (a checkpoint's weights, as read) with each stored
+    as the integers of its `float` dtype."""
+    return jax.tree.map(lambda v: v.replace(encode(v.get_value(), v.get_metadata()["float"])), state,
+                        is_leaf=lambda x: isinstance(x, Frozen))
 
 
 def trainable(tree):

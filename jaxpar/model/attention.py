@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.adapters import adapted, adapters
+from jaxpar.model.adapters import adapters, lora_output, with_lora
 from jaxpar.model.axes import (
     column_parallel,
     constrain,
@@ -111,7 +111,8 @@ class Attention(nnx.Module):
         """The heads' outputs through the output projection, into the residual stream."""
         names, residual = ("batch", "seq", "heads", "kv"), ("batch", "residual_seq", "embed")
         out_BLHK = constrain(out_BLHK, names)
-        return constrain(row_parallel("BLHK,HKD->BLD", out_BLHK, adapted(self.wo, self.lora_o), names, residual), residual)
+        return constrain(with_lora(row_parallel("BLHK,HKD->BLD", out_BLHK, self.wo, names, residual),
+                                   lora_output(out_BLHK, self.lora_o, names, residual, ins=2)), residual)
 
     def project(self, x_BLD: jax.Array, positions: jax.Array | None = None):
         """q (B, L, H, K) and k, v (B, L, G, K), G the key/value heads, with biases, head norms and
@@ -119,15 +120,18 @@ class Attention(nnx.Module):
         names, kv_names = ("batch", "seq", "heads", "kv"), ("batch", "seq", "kv_heads", "kv")
         residual = ("batch", "residual_seq", "embed")
         if self.fused_qkv:
-            qkv_BLQHK = column_parallel("BLD,DQHK->BLQHK", x_BLD, adapted(self.w_qkv, self._qkv_adapters, 1), residual,
-                                        ("batch", "seq", None, "heads", "kv"))
+            fused = ("batch", "seq", None, "heads", "kv")
+            qkv_BLQHK = with_lora(column_parallel("BLD,DQHK->BLQHK", x_BLD, self.w_qkv, residual, fused),
+                                  lora_output(x_BLD, self._qkv_adapters, residual, fused))
             if self.b_qkv is not None:
                 qkv_BLQHK = qkv_BLQHK + self.b_qkv[...]
             q_BLHK, k_BLGK, v_BLGK = (constrain(qkv_BLQHK[:, :, i], names) for i in range(3))
         else:
-            q_BLHK = column_parallel("BLD,DHK->BLHK", x_BLD, adapted(self.w_q, self.lora_q), residual, names)
-            kv_BLQGK = column_parallel("BLD,DQGK->BLQGK", x_BLD, adapted(self.w_kv, self._qkv_adapters[1:], 1), residual,
-                                       ("batch", "seq", None, "kv_heads", "kv"))
+            fused = ("batch", "seq", None, "kv_heads", "kv")
+            q_BLHK = with_lora(column_parallel("BLD,DHK->BLHK", x_BLD, self.w_q, residual, names),
+                               lora_output(x_BLD, self.lora_q, residual, names))
+            kv_BLQGK = with_lora(column_parallel("BLD,DQGK->BLQGK", x_BLD, self.w_kv, residual, fused),
+                                 lora_output(x_BLD, self._qkv_adapters[1:], residual, fused))
             if self.b_q is not None:
                 q_BLHK, kv_BLQGK = q_BLHK + self.b_q[...], kv_BLQGK + self.b_kv[...]
             q_BLHK = constrain(q_BLHK, names)

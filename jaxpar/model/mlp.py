@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.model.adapters import adapted, adapters
+from jaxpar.model.adapters import adapters, lora_output, with_lora
 from jaxpar.model.axes import column_parallel, constrain, param, row_parallel
 
 
@@ -34,11 +34,14 @@ class MLP(nnx.Module):
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         residual, hidden = ("batch", "residual_seq", "embed"), ("batch", "seq", "mlp")
         if self.gated:
-            gate_up_BLQF = column_parallel("BLD,DQF->BLQF", x_BLD, adapted(self.w_gate_up, (self.lora_gate, self.lora_up), 1),
-                                           residual,
-                                           ("batch", "seq", None, "mlp"))
+            fused = ("batch", "seq", None, "mlp")
+            gate_up_BLQF = with_lora(column_parallel("BLD,DQF->BLQF", x_BLD, self.w_gate_up, residual, fused),
+                                     lora_output(x_BLD, (self.lora_gate, self.lora_up), residual, fused))
             h_BLF = jax.nn.silu(gate_up_BLQF[:, :, 0]) * gate_up_BLQF[:, :, 1]
         else:
-            h_BLF = jax.nn.gelu(column_parallel("BLD,DF->BLF", x_BLD, adapted(self.w_up, self.lora_up), residual, hidden))
+            h_BLF = jax.nn.gelu(with_lora(column_parallel("BLD,DF->BLF", x_BLD, self.w_up, residual, hidden),
+                                          lora_output(x_BLD, self.lora_up, residual, hidden)))
         h_BLF = constrain(h_BLF, hidden)
-        return constrain(row_parallel("BLF,FD->BLD", h_BLF, adapted(self.w_down, self.lora_down), hidden, residual), residual)
+        y_BLD = with_lora(row_parallel("BLF,FD->BLD", h_BLF, self.w_down, hidden, residual),
+                          lora_output(h_BLF, self.lora_down, hidden, residual))
+        return constrain(y_BLD, residual)

@@ -13,6 +13,7 @@ import math
 
 import jax
 
+from jaxpar.model.adapters import trainable
 from jaxpar.parallel.context import blocks_per_rank
 from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts, compiled_branches
 from jaxpar.plan.collectives import bytes_by_op, collectives
@@ -57,7 +58,8 @@ def measure_step(trainer) -> dict:
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     state = trainer.abstract_state()
     shardings = trainer.state_shardings
-    grad_shardings = trainer.layout.named(trainer.layout.grad_specs(state.params))
+    trained = trainable(state.params)  # a frozen weight (model.lora) has no gradient
+    grad_shardings = trainer.layout.named(trainer.layout.grad_specs(trained))
     module = parse(compiled.as_text())
     moved = host_transfers(trainer, state, trainer.abstract_batch())
     params_bytes = shard_bytes(state.params, shardings.params)
@@ -79,7 +81,7 @@ def measure_step(trainer) -> dict:
         "opt_state_bytes": opt_bytes,
         **_memory_split(trainer, state, params_bytes, opt_bytes, int(stats.temp_size_in_bytes), moved),
         "host_transfer_bytes": moved,
-        "grads_bytes": shard_bytes(state.params, grad_shardings),
+        "grads_bytes": shard_bytes(trained, grad_shardings),
         # matmul FLOPs per step with loop trip counts; XLA's figure counts each loop body once.
         # Every branch of a conditional counts each time it runs (an upper bound for pipelines);
         # executed_flops counts each pipeline branch as often as the schedule takes it, per stage

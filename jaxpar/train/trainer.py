@@ -25,7 +25,7 @@ from jaxpar.config import Config, ConfigError
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.features import layout_rules
 from jaxpar.interop.hf_weights import load_params
-from jaxpar.model.adapters import trainable
+from jaxpar.model.adapters import Frozen, freeze_state, trainable
 from jaxpar.model.protocol import is_block_model
 from jaxpar.model.transformer import Transformer
 from jaxpar.parallel.layout import Layout
@@ -124,8 +124,16 @@ class Trainer:
         if self.session.hf_checkpoint is None:
             return self._create_fresh()
 
-        params, _ = load_params(self.session.hf_checkpoint, self.cfg.model, self.param_shardings)
-        return self._create_from(params)
+        if not self.cfg.model.lora.enabled:
+            params, _ = load_params(self.session.hf_checkpoint, self.cfg.model, self.param_shardings)
+            return self._create_from(params)
+        # adapters on a checkpoint: its weights frozen (stored as model.lora.base_dtype), the adapters fresh
+        frozen, adapter_shardings = nnx.split_state(self.param_shardings, Frozen, nnx.LoRAParam)
+        base, _ = load_params(self.session.hf_checkpoint, self.cfg.model, frozen)
+        base = jax.jit(freeze_state, out_shardings=frozen)(base)
+        adapters = jax.jit(lambda: nnx.split_state(self.fresh_params(), Frozen, nnx.LoRAParam)[1],
+                           out_shardings=adapter_shardings)()
+        return self._create_from(nnx.merge_state(base, adapters))
 
     def abstract_state(self) -> TrainState:
         """The shapes, dtypes and shardings of the state `init` creates, without creating it."""

@@ -1,0 +1,98 @@
+"""LoRA adapters (model.lora): every layout trains them to the single-device reference's numbers, the
+base weights stay bit for bit what they were and hold no optimizer state, and bad settings are one
+sentence."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import SMALL_MODEL
+
+from jaxpar.cli import main
+from jaxpar.model.adapters import Frozen, decode
+from jaxpar.plan.memory import shard_bytes
+from jaxpar.train.trainer import Trainer
+from jaxpar.train.verify import verify
+
+ADAPTERS = ("model.lora.rank=4", "model.mlp=swiglu", "train.steps=3", "model.n_layers=4")
+MOE = ("model.moe.experts=4", "model.moe.mlp=swiglu", "model.lora.targets=q,k,v,o,gate,up,down,experts")
+LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"
+LAYOUTS = {  # every target on each: the gated MLP's gate, up and down, attention's q, k, v and o
+    "data=4 x tensor=2, zero 3": ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3"],
+    "data=2 x stage=4, 1f1b": ["mesh.data=2", "mesh.stage=4"],
+    "data=2 x expert=4, adapters on the experts": ["mesh.data=2", "mesh.expert=4", *MOE],
+    "context=2 x tensor=2": ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"],
+}
+QUICK = ("data=4 x tensor=2, zero 3",)
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow)
+                                    for name in LAYOUTS])
+def test_adapters_match_single_device(layout, session_for):
+    result = verify(session_for(*SMALL_MODEL, *ADAPTERS, *LAYOUTS[layout]), log=lambda line: None)
+    assert result["ok"], result
+    assert result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4
+
+
+def _frozen_bits(params) -> dict:
+    flat = nnx.to_flat_state(params)
+    return {path: np.asarray(jax.device_get(v.get_value())) for path, v in flat if isinstance(v, Frozen)}
+
+
+def test_base_weights_stay_bit_for_bit_and_hold_no_optimizer_state(session_for):
+    """20 steps on a Hugging Face checkpoint: its weights come out as they went in, and the optimizer
+    state is AdamW's two moments of the adapters alone."""
+    from jaxpar.interop.hf_weights import load_params
+    trainer = Trainer(session_for(f"model.from_hf={LLAMA}", "model.lora.rank=4", "mesh.data=4", "mesh.tensor=2",
+                                  "parallel.zero=3", "train.batch_size=8", "model.seq_len=32"))
+    state = trainer.init()
+    before = _frozen_bits(state.params)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        tokens = rng.integers(0, trainer.cfg.model.vocab_size, (8, 33), dtype=np.int32)
+        state, metrics = trainer.step(state, trainer.put_batch(tokens))
+    after = _frozen_bits(state.params)
+    assert before.keys() == after.keys() and len(before) > 0
+    for path in before:
+        assert before[path].dtype.kind == "u" and np.array_equal(before[path], after[path]), path
+    frozen_shardings = nnx.split_state(trainer.param_shardings, Frozen, nnx.LoRAParam)[0]
+    source, _ = load_params(trainer.session.hf_checkpoint, trainer.cfg.model, frozen_shardings, progress=False)
+    for path, v in nnx.to_flat_state(source):
+        np.testing.assert_array_equal(np.asarray(decode(after[path], "float32")), np.asarray(v.get_value()))
+    adapters = nnx.split_state(state.params, Frozen, nnx.LoRAParam)[1]
+    adapter_shardings = nnx.split_state(trainer.state_shardings.params, Frozen, nnx.LoRAParam)[1]
+    adapter_bytes = shard_bytes(adapters, adapter_shardings)
+    opt_bytes = shard_bytes(state.opt_state, trainer.state_shardings.opt_state)
+    assert abs(opt_bytes - 2 * adapter_bytes) <= 0.05 * 2 * adapter_bytes, (opt_bytes, adapter_bytes)
+    assert float(metrics["grad_norm"]) > 0
+
+
+@pytest.mark.slow
+def test_first_step_computes_the_base_model(session_for):
+    """B starts at zero: the first loss with adapters is the base model's, to the last bit."""
+    rng = np.random.default_rng(1)
+    settings = (f"model.from_hf={LLAMA}", "mesh.data=4", "mesh.tensor=2", "train.batch_size=8", "model.seq_len=32")
+    tokens = rng.integers(0, 264, (8, 33), dtype=np.int32)
+    losses = []
+    for extra in ((), ("model.lora.rank=4",)):
+        trainer = Trainer(session_for(*settings, *extra))
+        _, metrics = trainer.step(trainer.init(), trainer.put_batch(tokens))
+        losses.append(float(metrics["loss"]))
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("settings, words", [
+    (["model.lora.rank=-1"], "model.lora.rank must be 0"),
+    (["model.lora.targets=q,v"], "model.lora.rank is 0"),
+    (["model.lora.rank=4", "model.lora.targets=q,x"], "unknown target 'x'"),
+    (["model.lora.rank=4", "model.lora.targets=experts"], "has none"),
+    (["model.lora.rank=4", "model.lora.alpha=0"], "model.lora.alpha must be positive"),
+    (["model.lora.rank=100000"], "exceeds the q weight's smaller side"),
+])
+def test_bad_adapter_settings_are_one_sentence(settings, words, capsys):
+    extra = [] if any(s.startswith("model.lora.rank") for s in settings) else ["model.lora.rank=0"]
+    assert main(["train", "configs/tiny_test.yaml", *extra, *settings]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
