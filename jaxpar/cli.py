@@ -201,9 +201,14 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 def cmd_export_hf(args: argparse.Namespace) -> int:
     from jaxpar.interop.hf import export_run
 
-    result = export_run(args.run_dir, args.out, args.step, args.dtype, progress=not args.no_progress)
-    print(f"step {result['step']} of {args.run_dir} written to {args.out}/ as a {result['family']} checkpoint "
-          f"({result['dtype']}): {', '.join(result['files'])}")
+    result = export_run(args.run_dir, args.out, args.step, args.dtype, progress=not args.no_progress,
+                        adapter=args.adapter, merge=args.merge)
+    if args.adapter:
+        print(f"step {result['step']} of {args.run_dir}: its LoRA adapters written to {args.out}/ as peft stores "
+              f"them: {', '.join(result['files'])}")
+    else:
+        print(f"step {result['step']} of {args.run_dir} written to {args.out}/ as a {result['family']} checkpoint "
+              f"({result['dtype']}{', adapters merged' if args.merge else ''}): {', '.join(result['files'])}")
     print(json.dumps(result))
     return 0
 
@@ -332,6 +337,10 @@ def _add_open_weights(sub) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="dtype of the written weights (default bf16)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--adapter", action="store_true", help="a run with LoRA adapters: write the adapters alone, "
+                   "as peft stores them (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--merge", action="store_true", help="a run with LoRA adapters: write full weights with the "
+                   "adapters merged in")
     p = _add_command(sub, "generate", cmd_generate, "continue a prompt with a trained or imported model "
                                                     "(key/value cache; greedy or sampled)")
     p.add_argument("source", metavar="RUN_DIR|HF_DIR", help="a run's folder (its newest checkpoint) or a Hugging Face "

@@ -13,6 +13,12 @@ Freezing: every other weight of the model becomes `Frozen`, stored as integers (
 pattern). JAX differentiates no integer input (its tangent is a zero-size float0), so the base
 weights get no gradient buffer and no optimizer state, in every layout, with no executor knowing
 about adapters. Reading a Frozen weight (`[...]`) gives the float back.
+
+Quantized (model.lora.base_dtype int8 or nf4, QLoRA): the projections' weights (QUANTIZED) are stored
+as blocks of 64 along their 'embed' dimension, each its codes and its bf16 scale packed into uint16 words
+(jaxpar.model.quantize.pack: 34 bytes a block for nf4, 66 for int8), still one variable of the weight's
+rank and names; reading one unpacks it to float32, inside the layer scan, one layer at a time. The
+embeddings, norms, routers and biases stay bf16 bits.
 """
 
 from __future__ import annotations
@@ -25,30 +31,42 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config.adapters import LoRAConfig
+from jaxpar.model import quantize
 from jaxpar.model.axes import constrain
 
 _BITS = {"float32": jnp.uint32, "bfloat16": jnp.uint16}
-_FLOATS = {"fp32": "float32", "bf16": "bfloat16"}
+_FLOATS = {"fp32": "float32", "bf16": "bfloat16", "int8": "bfloat16", "nf4": "bfloat16"}
+# The weights int8 and nf4 quantize (by attribute): attention's and the MLP's projections, the experts' matrices.
+QUANTIZED = frozenset({"w_qkv", "w_q", "w_kv", "wo", "w_gate_up", "w_up", "w_down"})
 
 
 class Frozen(nnx.Variable):
     """A weight that does not train, stored as the bit pattern of its float (`float` metadata: the
-    dtype it reads back as). `[...]` reads the float weight."""
+    dtype it reads back as), or quantized and packed (`quantized` metadata: (kind, blocked axis from the
+    end), reading back as float32). `[...]` reads the float weight."""
 
     def __getitem__(self, key):
-        return decode(self.get_value(), self.get_metadata()["float"])[key]
+        metadata = self.get_metadata()
+        return decode(self.get_value(), metadata["float"], metadata.get("quantized"))[key]
 
 
-def encode(value: jax.Array, dtype: str) -> jax.Array:
-    """A float weight as the unsigned integers of its bits in `dtype` (float32 or bfloat16)."""
+def encode(value: jax.Array, dtype: str, quantized: tuple[str, int] | None = None) -> jax.Array:
+    """A float weight as the unsigned integers of its bits in `dtype` (float32 or bfloat16), or, given
+    `quantized` (kind, axis), its blocks quantized and packed (jaxpar.model.quantize.pack)."""
+    if quantized is not None:
+        return quantize.pack(jnp.asarray(value, jnp.float32), *quantized)
     return jax.lax.bitcast_convert_type(jnp.asarray(value).astype(dtype), _BITS[dtype])
 
 
-def decode(bits: jax.Array, dtype: str) -> jax.Array:
-    """The float weight of `encode`'s integers (a ShapeDtypeStruct stays abstract)."""
-    if isinstance(bits, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(bits.shape, dtype, sharding=bits.sharding)
-    return jax.lax.bitcast_convert_type(bits, dtype)
+def decode(stored: jax.Array, dtype: str, quantized: tuple[str, int] | None = None) -> jax.Array:
+    """The float weight of `encode`'s integers (a ShapeDtypeStruct stays abstract: the float weight's shape,
+    with the stored sharding)."""
+    if isinstance(stored, jax.ShapeDtypeStruct):
+        shape = stored.shape if quantized is None else quantize.unpacked_shape(stored.shape, *quantized)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=stored.sharding)
+    if quantized is not None:
+        return quantize.unpack(stored, *quantized, dtype)
+    return jax.lax.bitcast_convert_type(stored, dtype)
 
 
 class Adapter(nnx.Module):
@@ -68,12 +86,12 @@ class Adapter(nnx.Module):
         self.scale = lora.scale
 
     def delta(self) -> jax.Array:
-        """(alpha / r) A B, shaped like the weight."""
-        nb, ni, no = self.dims
+        """(alpha / r) A B, shaped like the weight (and like a stack of them: leading layer dimensions
+        are kept as the expert ones are)."""
+        _, ni, no = self.dims
         letters = iter(string.ascii_letters.replace("r", ""))
-        batch, ins, outs = ("".join(next(letters) for _ in range(n)) for n in (nb, ni, no))
-        a, b = self.a[...], self.b[...]
-        return self.scale * jnp.einsum(f"{batch}{ins}r,{batch}r{outs}->{batch}{ins}{outs}", a, b)
+        ins, outs = ("".join(next(letters) for _ in range(n)) for n in (ni, no))
+        return self.scale * jnp.einsum(f"...{ins}r,...r{outs}->...{ins}{outs}", self.a[...], self.b[...])
 
 
 def adapters(cfg_lora: LoRAConfig, rngs: nnx.Rngs, targets: dict[str, tuple],
@@ -128,31 +146,64 @@ def adapted(weight: nnx.Variable, slots: tuple[Adapter | None, ...] | Adapter | 
         return weight
     w = weight[...]
     if many:
-        deltas = [jnp.zeros(np.delete(w.shape, slot_axis), w.dtype) if s is None else s.delta().astype(w.dtype)
-                  for s in slots]
+        deltas = [jnp.zeros(np.delete(w.shape, slot_axis % w.ndim), w.dtype) if s is None
+                  else s.delta().astype(w.dtype) for s in slots]
         w = w + jnp.stack(deltas, axis=slot_axis)
     else:
         w = w + slots.delta().astype(w.dtype)
     return nnx.Param(w, out_sharding=weight.get_metadata().get("out_sharding"), eager_sharding=False)
 
 
+# Each adapted weight (by attribute, in attention, the MLP and the experts) and its adapters: one for the
+# whole weight, or one per slot of a fused weight along the given axis (from the end, so that it holds for
+# a stack of layers too).
+ADAPTED = {"w_qkv": (("lora_q", "lora_k", "lora_v"), -3), "w_q": ("lora_q", None),
+           "w_kv": (("lora_k", "lora_v"), -3), "wo": ("lora_o", None),
+           "w_gate_up": (("lora_gate", "lora_up"), -2), "w_up": ("lora_up", None), "w_down": ("lora_down", None)}
+
+
+def merged_weights(model: nnx.Module) -> dict[tuple, jax.Array]:
+    """Every weight of a model with adapters as a float array, the adapters merged in (W + (alpha / r) A B),
+    by path: the weights of the same model without adapters (export, the merged checkpoint)."""
+    merged = {}
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module):
+            continue
+        for name, value in vars(node).items():
+            if not isinstance(value, nnx.Variable) or isinstance(value, nnx.LoRAParam):
+                continue
+            names, axis = ADAPTED.get(name, (None, None))
+            slots = (tuple(getattr(node, n, None) for n in names) if isinstance(names, tuple)
+                     else getattr(node, names, None) if names else None)
+            merged[(*map(str, path), name)] = adapted(value, slots, axis)[...]
+    return merged
+
+
 def freeze(module: nnx.Module, lora: LoRAConfig) -> None:
     """Every weight of `module` but the adapters becomes Frozen, stored as bits of model.lora.base_dtype
-    (fp32 or bf16 here; int8 and nf4 quantize: jaxpar.model.quantize)."""
-    dtype = _FLOATS[lora.base_dtype]
+    (fp32 or bf16); with int8 or nf4, the QUANTIZED weights quantized along their 'embed' dimension
+    (jaxpar.model.quantize), every other one as bf16 bits."""
     for _, node in list(nnx.iter_graph(module)):
         if not isinstance(node, nnx.Module):
             continue
         for name, value in list(vars(node).items()):
             if isinstance(value, nnx.Param) and not isinstance(value, nnx.LoRAParam):
                 metadata = {k: v for k, v in value.get_metadata().items() if k in ("out_sharding", "eager_sharding")}
-                setattr(node, name, Frozen(encode(value.get_value(), dtype), float=dtype, **metadata))
+                names = tuple(metadata.get("out_sharding") or ())
+                quantized = None
+                if lora.base_dtype in quantize.KINDS and name in QUANTIZED and "embed" in names:
+                    quantized = (lora.base_dtype, names.index("embed") - len(names))  # from the end: any stacking
+                    metadata["quantized"] = quantized
+                dtype = "float32" if quantized else _FLOATS[lora.base_dtype]
+                setattr(node, name, Frozen(encode(value.get_value(), dtype, quantized), float=dtype, **metadata))
 
 
 def freeze_state(state):
-    """A state of Frozen variables holding floats (a checkpoint's weights, as read) with each stored
-    as the integers of its `float` dtype."""
-    return jax.tree.map(lambda v: v.replace(encode(v.get_value(), v.get_metadata()["float"])), state,
+    """A state of Frozen variables holding floats (a checkpoint's weights, as read) with each stored as
+    `freeze` stores it: the integers of its `float` dtype, or quantized as its `quantized` metadata says.
+    Each keeps its sharding: a quantized weight's float and packed forms split at the same blocks."""
+    return jax.tree.map(lambda v: v.replace(encode(v.get_value(), v.get_metadata()["float"],
+                                                   v.get_metadata().get("quantized"))), state,
                         is_leaf=lambda x: isinstance(x, Frozen))
 
 

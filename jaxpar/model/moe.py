@@ -148,7 +148,7 @@ class MoE(nnx.Module):
         """Each expert's hidden activations, gelu(x W_up) or silu(x W_gate) * (x W_up), where
         matmul(w_EDF) multiplies the tokens by every expert's weight (dense slots or sorted rows)."""
         if self.gated:
-            w = adapted(self.w_gate_up, (self.lora_gate, self.lora_up), 2)[...]
+            w = adapted(self.w_gate_up, (self.lora_gate, self.lora_up), -2)[...]
             return jax.nn.silu(matmul(w[:, :, 0])) * matmul(w[:, :, 1])
         return jax.nn.gelu(matmul(adapted(self.w_up, self.lora_up)[...]))
 

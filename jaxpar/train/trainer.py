@@ -25,7 +25,9 @@ from jaxpar.config import Config, ConfigError
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.features import layout_rules
 from jaxpar.interop.hf_weights import load_params
+from jaxpar.interop.peft import read_adapter
 from jaxpar.model.adapters import Frozen, freeze_state, trainable
+from jaxpar.model.axes import is_variable, path_names
 from jaxpar.model.protocol import is_block_model
 from jaxpar.model.transformer import Transformer
 from jaxpar.parallel.layout import Layout
@@ -122,6 +124,9 @@ class Trainer:
         """Create the initial state directly in its sharded layout: from model.from_hf's weights (each
         device reading its own slices), else freshly initialized."""
         if self.session.hf_checkpoint is None:
+            if self.cfg.model.lora.from_peft:
+                raise ConfigError("model.lora.from_peft puts an adapter on the checkpoint it was made for; "
+                                  "give that checkpoint as model.from_hf.")
             return self._create_fresh()
 
         if not self.cfg.model.lora.enabled:
@@ -131,9 +136,17 @@ class Trainer:
         frozen, adapter_shardings = nnx.split_state(self.param_shardings, Frozen, nnx.LoRAParam)
         base, _ = load_params(self.session.hf_checkpoint, self.cfg.model, frozen)
         base = jax.jit(freeze_state, out_shardings=frozen)(base)
-        adapters = jax.jit(lambda: nnx.split_state(self.fresh_params(), Frozen, nnx.LoRAParam)[1],
-                           out_shardings=adapter_shardings)()
-        return self._create_from(nnx.merge_state(base, adapters))
+        return self._create_from(nnx.merge_state(base, self._first_adapters(adapter_shardings)))
+
+    def _first_adapters(self, shardings):
+        """The adapters a run starts from: model.lora.from_peft's, else fresh (A drawn, B zero)."""
+        if self.cfg.model.lora.from_peft:
+            values = read_adapter(self.cfg.model.lora.from_peft, self.cfg.model)
+            return jax.tree_util.tree_map_with_path(
+                lambda p, v: v.replace(jax.device_put(values[path_names(p)], v.get_value())), shardings,
+                is_leaf=is_variable)
+        return jax.jit(lambda: nnx.split_state(self.fresh_params(), Frozen, nnx.LoRAParam)[1],
+                       out_shardings=shardings)()
 
     def abstract_state(self) -> TrainState:
         """The shapes, dtypes and shardings of the state `init` creates, without creating it."""
