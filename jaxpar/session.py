@@ -14,6 +14,7 @@ from jaxpar.data.corpus import load_tokens, split_tokens
 from jaxpar.data.loader import BatchSampler
 from jaxpar.data.mixture import mixture_samplers
 from jaxpar.data.packing import packed_samplers
+from jaxpar.data.preference import check_preference_source
 from jaxpar.data.sources import parse_mixture
 from jaxpar.data.token_folder import TextCodec, has_loss_mask, tokenizer_folder
 from jaxpar.errors import DataError
@@ -39,6 +40,7 @@ class Session:
     @functools.cached_property
     def _samplers(self) -> tuple:
         m, t, d = self.cfg.model, self.cfg.train, self.cfg.data
+        check_preference_source(d, t.objective)  # pairs for a preference objective, and only for one
         if self.mixture:
             return mixture_samplers(self.mixture, d, m, t)
         if d.packing != "none":

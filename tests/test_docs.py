@@ -247,8 +247,10 @@ def prepare_folder(folder: Path, blocks_text: str) -> None:
         from jaxpar.data.corpus import builtin_text, builtin_topics
 
         text = builtin_text()
-        # JSONL: a line per topic, its text whole and cut into a prompt (its first line) and a response
-        records = [{"text": t, "prompt": t.split("\n", 1)[0], "response": t.split("\n", 1)[-1]}
+        # JSONL: a line per topic, its text whole and cut into a prompt (its first line) and a response,
+        # which is also the chosen response of a preference pair whose rejected one has its lines reversed
+        records = [{"text": t, "prompt": t.split("\n", 1)[0], "response": t.split("\n", 1)[-1],
+                    "chosen": t.split("\n", 1)[-1], "rejected": "\n".join(t.split("\n")[:0:-1])}
                    for t in builtin_topics()]
         lines = "".join(json.dumps(r) + "\n" for r in records)
         for name in inputs:

@@ -60,8 +60,15 @@ def add_tokenize_flags(p: argparse.ArgumentParser) -> None:
                    help="fine-tuning chats: each record's messages (--field/--column, default 'messages': a list of "
                         "{role, content}), rendered with the tokenizer's chat template where it has one; the loss "
                         "counts the assistant's messages only")
-    p.add_argument("--field-prompt", metavar="NAME", help="--sft: the prompt's field (column)")
+    p.add_argument("--preference", action="store_true",
+                   help="preference pairs (for train.objective=dpo, simpo or orpo): each record's prompt with a chosen "
+                        "and a rejected response (--field-prompt, --field-chosen, --field-rejected), written as two "
+                        "documents, chosen first; with --chat, two conversations (--field-chosen, --field-rejected, "
+                        "default 'chosen' and 'rejected') that differ only in their last, assistant message")
+    p.add_argument("--field-prompt", metavar="NAME", help="--sft, --preference: the prompt's field (column)")
     p.add_argument("--field-response", metavar="NAME", help="--sft: the response's field (column)")
+    p.add_argument("--field-chosen", metavar="NAME", help="--preference: the chosen response's field (column)")
+    p.add_argument("--field-rejected", metavar="NAME", help="--preference: the rejected response's field (column)")
     p.add_argument("--vocab-size", type=int,
                    help="vocabulary of the tokenizer to train (at least 258: the bytes, the end-of-document token, "
                         "a merge)")

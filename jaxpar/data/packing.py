@@ -7,6 +7,8 @@ begun before the window, and starts at position 0 there.
 row-sized pieces, the pieces are shuffled (seeded), and each goes to the first of the open rows
 with room for it (first-fit over a buffer of `PACK_BUFFER` rows, so memory stays bounded). A row's
 free end is padding: its own segment, masked out of the loss. Step n draws its rows by index.
+Preference pairs (jaxpar.data.preference) are packed only so, each pair one unit: its two documents
+whole and consecutive in one row, chosen first; pairs, not documents, are shuffled.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from jaxpar.data.documents import Documents, load_documents, split_documents
 from jaxpar.data.loader import BatchSampler
 from jaxpar.data.packed_rows import PackedRows
+from jaxpar.data.preference import check_pair_packing, pair_units
 
 PACK_BUFFER = 64  # open rows a piece may go to
 
@@ -50,35 +53,39 @@ class ConcatSampler(BatchSampler):
         return _stacked(rows)
 
 
-def pack_plan(lengths: np.ndarray, width: int, seed: int) -> list[list[tuple[int, int, int]]]:
+def pack_plan(lengths: np.ndarray, width: int, seed: int, pairs: bool = False) -> list[list[tuple[int, int, int]]]:
     """Rows of pieces (document, offset in it, length): documents cut into pieces of at most `width`
-    tokens, shuffled, and placed first-fit into the open rows (at most PACK_BUFFER; the fullest
-    is closed when another must open)."""
-    pieces = [(d, o, min(width, int(n) - o)) for d, n in enumerate(lengths) for o in range(0, int(n), width)]
-    order = np.random.default_rng(seed).permutation(len(pieces))
+    tokens (preference pairs: each pair's two documents whole, one unit; see pair_units), the units
+    shuffled and placed first-fit into the open rows (at most PACK_BUFFER; the fullest is closed when
+    another must open)."""
+    units = pair_units(lengths, width) if pairs else [
+        [(d, o, min(width, int(n) - o))] for d, n in enumerate(lengths) for o in range(0, int(n), width)]
+    order = np.random.default_rng(seed).permutation(len(units))
     open_rows: list[list] = []  # [free room, pieces]
     closed: list[list] = []
     for i in order:
-        piece = pieces[i]
+        unit, size = units[i], sum(piece[2] for piece in units[i])
         for row in open_rows:
-            if row[0] >= piece[2]:
-                row[0] -= piece[2]
-                row[1].append(piece)
+            if row[0] >= size:
+                row[0] -= size
+                row[1].extend(unit)
                 break
         else:
             if len(open_rows) == PACK_BUFFER:
                 fullest = min(range(len(open_rows)), key=lambda r: open_rows[r][0])
                 closed.append(open_rows.pop(fullest)[1])
-            open_rows.append([width - piece[2], [piece]])
+            open_rows.append([width - size, list(unit)])
     return closed + [row[1] for row in open_rows]
 
 
 class PackSampler:
-    """Rows of whole documents (pack_plan), step n's rows drawn from (seed, n); padding ends a row."""
+    """Rows of whole documents (pack_plan), step n's rows drawn from (seed, n); padding ends a row.
+    pairs: the rows hold whole preference pairs (docs.pairs), chosen at even document ids."""
 
     def __init__(self, docs: Documents, seq_len: int, batch_size: int, seed: int, pad_id: int = 0):
         self.docs, self.seq_len, self.batch_size, self.seed, self.pad_id = docs, seq_len, batch_size, seed, pad_id
-        self.rows = pack_plan(np.diff(np.concatenate([[0], docs.ends])), seq_len + 1, seed)
+        self.pairs = docs.pairs
+        self.rows = pack_plan(np.diff(np.concatenate([[0], docs.ends])), seq_len + 1, seed, docs.pairs)
         self._starts = docs.starts
 
     def starts(self, step: int) -> np.ndarray:
@@ -130,8 +137,11 @@ def _stacked(rows: list[tuple]) -> PackedRows:
 
 def packed_samplers(data, model, train, source: str | None = None) -> tuple:
     """(train, validation) samplers of data.packing's rows over the documents of `source` (default
-    data.source)."""
-    docs = load_documents(data.source if source is None else source, model.vocab_size)
+    data.source). Preference pairs need data.packing=pack."""
+    source = data.source if source is None else source
+    docs = load_documents(source, model.vocab_size)
+    if docs.pairs:
+        check_pair_packing(source, data.packing)
     parts = split_documents(docs, data.val_fraction, model.seq_len)
     if data.packing == "concat":
         return tuple(ConcatSampler(p, model.seq_len, train.batch_size, train.seed) for p in parts)

@@ -134,7 +134,8 @@ def open_token_folder(source: str, vocab_size: int) -> ShardedTokens:
 
 
 def has_loss_mask(source: str) -> bool:
-    """Whether data.source is a folder `jaxpar tokenize --sft` or `--chat` wrote (its tokens come with a loss mask)."""
+    """Whether data.source is a folder `jaxpar tokenize --sft`, `--chat` or `--preference` wrote (its tokens come
+    with a loss mask)."""
     return is_token_folder(source) and read_meta(Path(source)).get("loss_mask") is True
 
 

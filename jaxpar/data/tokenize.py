@@ -7,6 +7,9 @@ input): each ends with the end-of-document token (a trained tokenizer reserves `
 gives its own end-of-sequence token, when it has one), and documents.bin lists where each ends, for
 `data.packing`. Fine-tuning pairs (--sft) and chats (--chat) also write a loss mask per token: 0 on
 the prompt (the other messages), 1 on the response (the assistant's messages) and the end token.
+Preference pairs (--preference, with --chat for conversations) write each record as two such
+documents, prompt + chosen response then prompt + rejected response (of a conversation, only its
+last message, the assistant's response, is counted), and meta.json says `"preference": true`.
 
 The folder is written under a temporary name and renamed when complete, so an interrupted run or a
 malformed input leaves nothing half-written. Byte-level BPE is lossless: decoding gives the text back.
@@ -98,6 +101,20 @@ def _encode(tokenizer, text: str) -> np.ndarray:
     return np.fromiter((i for e in encoded for i in e.ids), np.int64)
 
 
+def _document(tokenizer, content, spec: DocumentSpec, chat: ChatFormat | None, end_ids: np.ndarray,
+              ends_document: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """A document's (piece's) token ids, and for fine-tuning sets its loss mask (1: counted)."""
+    if not spec.masked:
+        return np.concatenate([_encode(tokenizer, content), end_ids if ends_document else end_ids[:0]]), None
+    pieces = chat.pieces(content) if spec.chat else [(content[0], False), (content[1], True)]
+    if spec.preference:  # the response is the conversation's last message, the one the pair differs in
+        last = max(i for i, (_, counted) in enumerate(pieces) if counted)
+        pieces = [(text, i == last) for i, (text, _) in enumerate(pieces)]
+    ids = [_encode(tokenizer, text) for text, _ in pieces] + [end_ids]
+    masks = [np.full(len(i), int(counted), np.uint8) for i, (_, counted) in zip(ids, pieces)]
+    return np.concatenate(ids), np.concatenate(masks + [np.ones(len(end_ids), np.uint8)])
+
+
 class _ShardWriter:
     """Token (and loss-mask) shards of SHARD_TOKENS each, written as the documents come."""
 
@@ -159,15 +176,7 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
                     while block := f.read(1 << 22):
                         digest.update(block)
                 for content, ends_document in documents(Path(name), spec):
-                    if spec.masked:
-                        pieces = chat.pieces(content) if spec.chat else [(content[0], False), (content[1], True)]
-                        ids = [_encode(tokenizer, text) for text, _ in pieces] + [end_ids]
-                        writer.add(np.concatenate(ids), np.concatenate(
-                            [np.full(len(i), int(counted), np.uint8) for i, (_, counted) in zip(ids, pieces)]
-                            + [np.ones(len(end_ids), np.uint8)]))
-                    else:
-                        ends_with = end_ids if ends_document else end_ids[:0]
-                        writer.add(np.concatenate([_encode(tokenizer, content), ends_with]))
+                    writer.add(*_document(tokenizer, content, spec, chat, end_ids, ends_document))
                     if ends_document and (not ends or ends[-1] < writer.total):  # an empty document is none
                         ends.append(writer.total)
                 bar.update(Path(name).stat().st_size)
@@ -177,7 +186,7 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
         np.asarray(ends, np.int64).tofile(work / DOCUMENTS)
         meta = {"format": FORMAT, "vocab_size": vocab, "dtype": dtype, "tokens": writer.total,
                 "shards": writer.shards, "documents": {"file": DOCUMENTS, "count": len(ends)}, "eod_id": eod,
-                "loss_mask": spec.masked, "inputs": [str(p) for p in inputs], "inputs_sha256": digest.hexdigest(),
-                "tokenizer": TOKENIZER}
+                "loss_mask": spec.masked, "preference": spec.preference, "inputs": [str(p) for p in inputs],
+                "inputs_sha256": digest.hexdigest(), "tokenizer": TOKENIZER}
         (work / META).write_text(json.dumps(meta, indent=2) + "\n")
     return meta

@@ -35,6 +35,9 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
     yield from _targets(cfg)
     if lora.alpha <= 0:
         yield f"model.lora.alpha must be positive, got {lora.alpha}."
+    if lora.base_dtype in ("int8", "nf4") and cfg.model.d_model % 64:
+        yield (f"model.lora.base_dtype={lora.base_dtype} quantizes blocks of 64 along d_model, so model.d_model "
+               f"must be a multiple of 64, not {cfg.model.d_model}.")
     yield from _not_yet(cfg)
 
 
@@ -55,9 +58,9 @@ def _targets(cfg: Config) -> Checks:
 def _not_yet(cfg: Config) -> Checks:
     """Combinations whose state or step the adapters have not been verified with."""
     t, p = cfg.train, cfg.parallel
-    if p.pipeline.schedule in ("zb-h1", "zbv", "2bw"):
+    if p.pipeline.schedule in ("zb-h1", "zbv"):
         yield (f"model.lora does not run with parallel.pipeline.schedule={p.pipeline.schedule} yet; use 1f1b, "
-               f"interleaved or gpipe.")
+               f"interleaved, 2bw or gpipe.")
     if t.offloads_optimizer or p.sync_every > 1:
         what = f"train.offload={t.offload}" if t.offloads_optimizer else "local SGD (parallel.sync_every > 1)"
         yield f"model.lora does not run with {what} yet."

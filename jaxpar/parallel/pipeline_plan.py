@@ -67,7 +67,7 @@ class PipelinePlan:
     def value_and_grad(self, fns: StageFns, params, stacked_mask, micro, axis: str = "stage"):
         """Inside a shard_map manual over `axis`: run the microbatches `micro` ((tokens_MbT, rows_Mb),
         as Layout.split_microbatches cuts them) through the schedule. Returns this device's
-        (share of the mean loss, sums of the layers' statistics, gradients)."""
+        (share of the mean loss, (sums of the layers' statistics, sums of the head's), gradients)."""
         local = self.stacked_layers // self.table.stages
         stored = jnp.asarray(self.storage if self.storage is not None else range(self.stacked_layers), jnp.int32)
         layer_ids = jax.lax.dynamic_slice_in_dim(stored, jax.lax.axis_index(axis) * local, local)
@@ -82,7 +82,7 @@ class PipelinePlan:
 
 def _permute_layers(tree, index: np.ndarray):
     def one(v):
-        if not is_variable(v):
+        if not is_variable(v) or v.get_value() is None:  # (a frozen weight's optimizer state: none)
             return v
         value = v.get_value()
         # every leaf stacked over layers: weights, Adam moments, and Adafactor's factored statistics
