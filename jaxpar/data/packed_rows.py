@@ -32,7 +32,11 @@ class PackedRows:
     weights_BL: set by the step (`weighted`): each target's weight in the batch's mean loss.
     source_B: with a mixture (data.mixture), the source each row was drawn from, of `sources`.
     order_BL: set by the step under balanced context parallelism (`in_order`): the inputs' positions in
-    the order the context devices hold them; inputs, targets, documents and masks come in that order."""
+    the order the context devices hold them; inputs, targets, documents and masks come in that order.
+    reference_BL: set by a DPO step: each target's log-probability under the reference model, in the
+    targets' order (as targets_BL gives them).
+    pair_weights_B: set by a preference step: each row's weight in the batch's mean over pairs
+    (jaxpar.train.preference.weighted_pairs)."""
 
     tokens_BT: jax.Array
     segments_BT: jax.Array | None = None
@@ -42,6 +46,8 @@ class PackedRows:
     source_B: jax.Array | None = None
     sources: int = dataclasses.field(default=0, metadata={"static": True})
     order_BL: jax.Array | None = None
+    reference_BL: jax.Array | None = None
+    pair_weights_B: jax.Array | None = None
 
     @classmethod
     def of(cls, batch) -> PackedRows:
@@ -90,6 +96,10 @@ class PackedRows:
         rows, () for windows (positions from 0)."""
         segments = self.segments()
         return () if segments is None else (segments.positions_BL,)
+
+    def target_documents_BL(self) -> jax.Array:
+        """Each target token's document, in the targets' order."""
+        return self._ordered(self.segments_BT[:, 1:])
 
     def target_mask_BL(self) -> jax.Array:
         """Which targets count: maskable tokens of the same document as their input (never the first

@@ -27,8 +27,8 @@ def gpipe_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer_ids, 
     """GPipe: forward ticks from the table, backward by autodiff. batch_M: (tokens_MbT, rows_Mb), each a
     pytree with the microbatches on its leading axis;
     layer_ids: this device's stacked layers' model-order indices. Returns this device's
-    (share of the mean loss, sums of the layers' stats, grads); the shares of all stages sum to
-    the mean loss.
+    (share of the mean loss, (sums of the layers' stats, of the head's), grads); the shares of all
+    stages sum to the mean loss.
 
     All forwards finish before any backward, so the head and loss need not wait on the last
     stage: after the forward ticks the last chunk's outputs reach every stage (one psum of
@@ -71,25 +71,27 @@ def gpipe_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer_ids, 
         outputs = jnp.zeros((M + 1,) + x_shape.shape, x_shape.dtype)
         init = (zeros_x, outputs, jnp.zeros((), jnp.float32), no_stats)
         (_, outputs, aux_sum, stats_sum), _ = jax.lax.scan(tick, init, jnp.arange(forward_ticks))
-        loss_sum = _spread_head_losses(fns, params, outputs, tokens_MbT, table, s, axis)
-        return (loss_sum + aux_sum) / M, (loss_sum / M, stats_sum)
+        loss_sum, head_sums = _spread_head_losses(fns, params, outputs, tokens_MbT, table, s, axis)
+        return (loss_sum + aux_sum) / M, (loss_sum / M, (stats_sum, head_sums))
 
     (_, (loss, stats)), grads = jax.value_and_grad(local_loss, has_aux=True, allow_int=True)(params)
     return loss, stats, grads
 
 
 def _spread_head_losses(fns: StageFns, params, outputs, tokens_MbT, table: Table, s, axis: str):
-    """The sum of the losses of microbatches s, s+S, ... on stage s, once the last chunk's outputs
-    (kept on the last stage) have reached every stage."""
+    """(The sum of the losses of microbatches s, s+S, ... on stage s, the sums of their stats), once the
+    last chunk's outputs (kept on the last stage) have reached every stage."""
     S, M = table.stages, table.microbatches
     # (summed in fp32: in bf16, with the batch axes manual, XLA:CPU aborted on this psum with
     # "Invalid binary instruction opcode copy")
     last = jnp.where(s == S - 1, outputs[:M], jnp.zeros_like(outputs[:M])).astype(jnp.float32)
     outputs = jax.lax.psum(last, axis).astype(outputs.dtype)
-    loss_sum = jnp.zeros((), jnp.float32)
+    loss_sum, stats_sum = jnp.zeros((), jnp.float32), None
     for j in range(-(-M // S)):
         m = j * S + s
         mine = jnp.minimum(m, M - 1)
-        loss = fns.head_loss(params, outputs[mine], microbatch(tokens_MbT, mine)).astype(jnp.float32)
-        loss_sum += jnp.where(m < M, loss, 0.0)
-    return loss_sum
+        loss, stats = fns.head_loss(params, outputs[mine], microbatch(tokens_MbT, mine))
+        loss_sum += jnp.where(m < M, loss.astype(jnp.float32), 0.0)
+        stats = jax.tree.map(lambda x, m=m: jnp.where(m < M, x, 0.0), stats)
+        stats_sum = stats if stats_sum is None else jax.tree.map(jnp.add, stats_sum, stats)
+    return loss_sum, stats_sum

@@ -28,6 +28,7 @@ from jaxpar.parallel.pipeline import (
     StageFns,
     action_arrays,
     chunk_params,
+    head_part,
     local_layers,
     microbatch,
     probe,
@@ -108,11 +109,13 @@ class _OneFOneB:
         self.backward_perm = [((i + 1) % S, i) for i in range(S if self.ring else S - 1)]
         self.embed = Residuals(lambda p, tokens: (fns.embed(p, tokens), {}))
         self.layers = Residuals(lambda p, x, ids, rows: fns.layers(p, x, ids, rows))
-        self.head = Residuals(lambda p, y, tokens: (fns.head_loss(p, y, tokens).astype(jnp.float32), {}))
+        self.head = head_part(fns)
         chunk0 = chunk_params(self.compute, is_stacked, 0, self.layers_per_chunk)
         ids0 = layer_ids[:self.layers_per_chunk]
         stats_shape = jax.eval_shape(lambda *a: self.layers.split(*a)[1], chunk0, self.zeros_x, ids0, rows0)
-        self.no_stats = zeros_like_shapes(stats_shape)
+        self.no_head_stats = zeros_like_shapes(jax.eval_shape(lambda *a: self.head.split(*a)[1], self.compute,
+                                                              self.zeros_x, tokens0))
+        self.no_stats = (zeros_like_shapes(stats_shape), self.no_head_stats)
         kept = {
             "embed": self.embed.shapes(self.compute, tokens0),
             "layers": self.layers.shapes(chunk0, self.zeros_x, ids0, rows0),
@@ -123,7 +126,7 @@ class _OneFOneB:
         self.no_kept = {name: self.no_res[name] for name in self.kept}  # what ticks that keep nothing write
 
     def run(self, params):
-        """(this device's share of the mean loss, sums of the layers' stats, grads)."""
+        """(this device's share of the mean loss, (sums of the layers' stats, of the head's), grads)."""
         v, M = self.table.virtual, self.table.microbatches
         empty = jnp.zeros((self.K, v) + self.zeros_x.shape, self.zeros_x.dtype)
         residuals = {name: [jnp.zeros((self.K + 1, v) + r.shape, r.dtype) for r in shapes]
@@ -182,16 +185,17 @@ class _OneFOneB:
         return i.grads, i.loss_sum + loss, jax.tree.map(jnp.add, i.stats_sum, stats), y, self.zeros_x, kept
 
     def _chunk_forward(self, i: _TickInputs, first, last):
-        """(output to send on, loss, stats, residuals by part) of the chunk: the embedding gives the
-        first chunk's input, and on the last chunk the head's loss is taken and zeros go on."""
+        """(output to send on, loss, (the layers' stats, the head's), residuals by part) of the chunk: the
+        embedding gives the first chunk's input, and on the last chunk the head's loss is taken and zeros
+        go on."""
         x, embed_res = pipeline.first_or_last_chunk(
             FIRST_CHUNK_SCOPE, first, lambda: self.embed.split_without_stats(i.p, i.tokens),
             lambda: (i.x_in, self.no_res["embed"]))
         (y, _), stats, layers_res = self.layers.split(i.p, x, i.ids, i.rows)
-        loss, head_res, y = pipeline.first_or_last_chunk(
-            LAST_CHUNK_SCOPE, last, lambda: (*self.head.split_without_stats(i.p, y, i.tokens), self.zeros_x),
-            lambda: (jnp.zeros((), jnp.float32), self.no_res["head"], y))
-        return y, loss, stats, {"embed": embed_res, "layers": layers_res, "head": head_res}
+        loss, head_stats, head_res, y = pipeline.first_or_last_chunk(
+            LAST_CHUNK_SCOPE, last, lambda: (*self.head.split(i.p, y, i.tokens), self.zeros_x),
+            lambda: (jnp.zeros((), jnp.float32), self.no_head_stats, self.no_res["head"], y))
+        return y, loss, (stats, head_stats), {"embed": embed_res, "layers": layers_res, "head": head_res}
 
     def backward(self, i: _TickInputs, branch):
         """A chunk's backward from its stashed residuals (with recompute, from its forward run again):
@@ -229,6 +233,6 @@ def one_f_one_b_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer
                                axis: str = "stage", recompute: bool = False):
     """1F1B / interleaved / 2BW: every tick of the table, explicit per-tick backward.
     batch_M: (tokens_MbT, rows_Mb); layer_ids: this device's stacked layers' model-order indices.
-    Returns this device's (share of the mean loss, sums of the layers' stats, grads); the loss
-    is nonzero only on the last stage."""
+    Returns this device's (share of the mean loss, (sums of the layers' stats, of the head's), grads);
+    the loss and the head's stats are nonzero only on the last stage."""
     return _OneFOneB(fns, params, is_stacked, batch_M, layer_ids, table, axis, recompute).run(params)

@@ -68,7 +68,10 @@ class StageFns:
                                                            model-order indices); aux_loss joins the
                                                            objective, stats (sums over the chunk's
                                                            layers) are only reported
-    head_loss(params, x_bLD, tokens_bT) -> loss            last chunk: mean loss of the microbatch
+    head_loss(params, x_bLD, tokens_bT) -> (loss, stats)   last chunk: mean loss of the microbatch,
+                                                           and what it reports beside it (means over
+                                                           the microbatch, summed over the
+                                                           microbatches; {} for none)
     """
 
     cast: Callable
@@ -176,6 +179,16 @@ def probe(fns: StageFns, compute, batch_M):
     tokens0, rows0 = microbatch(batch_M, 0)
     x_aval = jax.eval_shape(fns.embed, compute, tokens0)
     return tokens0, rows0, jnp.zeros(x_aval.shape, x_aval.dtype)
+
+def head_part(fns: StageFns) -> Residuals:
+    """The head as the 1F1B-type executors keep its residuals: (the microbatch's loss in fp32, its stats)."""
+
+    def head(p, y, tokens):
+        loss, stats = fns.head_loss(p, y, tokens)
+        return loss.astype(jnp.float32), stats
+
+    return Residuals(head)
+
 
 def stash_read(buf, slot):
     """buf[slot] for a slot of non-negative traced indices into buf's leading axes: one dynamic slice,

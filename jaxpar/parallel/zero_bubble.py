@@ -30,6 +30,7 @@ from jaxpar.parallel.pipeline import (
     action_arrays,
     chunk_params,
     first_or_last_chunk,
+    head_part,
     local_layers,
     microbatch,
     probe,
@@ -86,11 +87,13 @@ class _ZeroBubble:
         self.d_aux = jnp.asarray(1.0 / table.microbatches, jnp.float32)  # the objective is the mean over microbatches
         self.embed = Residuals(lambda p, tokens: (fns.embed(p, tokens), {}))
         self.layers = Residuals(lambda p, x, ids, rows: fns.layers(p, x, ids, rows))
-        self.head = Residuals(lambda p, y, tokens: (fns.head_loss(p, y, tokens).astype(jnp.float32), {}))
+        self.head = head_part(fns)
         chunk0 = chunk_params(self.compute, is_stacked, 0, self.per_chunk)
         ids0 = layer_ids[:self.per_chunk]
-        self.no_stats = zeros_like_shapes(jax.eval_shape(lambda *a: self.layers.split(*a)[1], chunk0, self.zeros_x,
-                                                         ids0, rows0))
+        self.no_head_stats = zeros_like_shapes(jax.eval_shape(lambda *a: self.head.split(*a)[1], self.compute,
+                                                              self.zeros_x, tokens0))
+        self.no_stats = (zeros_like_shapes(jax.eval_shape(lambda *a: self.layers.split(*a)[1], chunk0, self.zeros_x,
+                                                          ids0, rows0)), self.no_head_stats)
         embed_kept = self.embed.shapes(self.compute, tokens0)
         layers_kept = self.layers.shapes(chunk0, self.zeros_x, ids0, rows0)
         head_kept = self.head.shapes(self.compute, self.zeros_x, tokens0)
@@ -154,7 +157,7 @@ class _ZeroBubble:
         self.arrivals = _arrivals(self.table, slots)
 
     def run(self, params):
-        """(this device's share of the mean loss, sums of the layers' stats, grads)."""
+        """(this device's share of the mean loss, (sums of the layers' stats, of the head's), grads)."""
         stash = {name: [jnp.zeros((max(self.count.get(name, 0), 1),) + a.shape, a.dtype) for a in shapes]
                  for name, shapes in self.shapes.items()}
         grads0 = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -246,12 +249,12 @@ class _ZeroBubble:
         self._fill(writes, "embed", embed_res)
         (y, _), stats, res = self.layers.split(i.p, x, i.ids, i.rows)
         self._fill(writes, "layers", res)
-        loss, head_res, y = first_or_last_chunk(
-            LAST_CHUNK_SCOPE, i.branch == F_LAST,
-            lambda: (*self.head.split_without_stats(i.p, y, i.tokens), self.zeros_x),
-            lambda: (jnp.zeros((), jnp.float32), self.no_head_res, y))
+        loss, head_stats, head_res, y = first_or_last_chunk(
+            LAST_CHUNK_SCOPE, i.branch == F_LAST, lambda: (*self.head.split(i.p, y, i.tokens), self.zeros_x),
+            lambda: (jnp.zeros((), jnp.float32), self.no_head_stats, self.no_head_res, y))
         self._fill(writes, "head", head_res)
-        return i.grads, i.loss_sum + loss, jax.tree.map(jnp.add, i.stats_sum, stats), y, self._written(writes)
+        stats_sum = jax.tree.map(jnp.add, i.stats_sum, (stats, head_stats))
+        return i.grads, i.loss_sum + loss, stats_sum, y, self._written(writes)
 
     def _fill(self, writes: dict, part: str, residuals: list) -> None:
         for half in ("B", "W"):
@@ -347,5 +350,6 @@ def zero_bubble_value_and_grad(fns: StageFns, params, is_stacked, batch_M, layer
                                axis: str = "stage"):
     """ZB-H1 / ZB-V: every tick of the table, each an F, B or W. batch_M: (tokens_MbT, rows_Mb);
     layer_ids: this device's stacked layers' model-order indices. Returns this device's (share of the
-    mean loss, sums of the layers' stats, grads); the loss is nonzero only where the last chunk runs."""
+    mean loss, (sums of the layers' stats, of the head's), grads); the loss and the head's stats are
+    nonzero only where the last chunk runs."""
     return _ZeroBubble(fns, params, is_stacked, batch_M, layer_ids, table, axis).run(params)

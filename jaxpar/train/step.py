@@ -3,12 +3,14 @@
 Every batch is a PackedRows (jaxpar.data.packed_rows): the tokens (B, T), inputs [:, :-1] and
 targets [:, 1:], with their documents, positions and loss mask when packed; a plain (B, T) token
 array given to a step is read as windows of one document each. What a mixture of experts adds to
-the step is jaxpar.model.moe_step's ExpertTerms.
+the step is jaxpar.model.moe_step's ExpertTerms. train.objective picks what each target's cross-entropy
+reduces to: its mean (sft), or a preference loss over the rows' pairs (jaxpar.train.preference).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -19,7 +21,7 @@ from flax import nnx
 from jaxpar.config import Config, TrainConfig
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.model.adapters import trainable, with_frozen, zero_grad
+from jaxpar.model.adapters import read_as, trainable, with_frozen, zero_grad
 from jaxpar.model.axes import layout_hooks
 from jaxpar.model.moe_step import ExpertTerms, routing_stats
 from jaxpar.model.protocol import is_block_model
@@ -35,13 +37,15 @@ from jaxpar.train.chunked_loss import chunked_token_losses
 from jaxpar.train.loss_scale import all_finite, unless_skipped
 from jaxpar.train.offload import Placement, offloaded_update
 from jaxpar.train.optim import Optimizer
+from jaxpar.train.preference import batch_objective, weighted_pairs, without_adapters
 from jaxpar.train.remat import layer_scan
 from jaxpar.train.state import TrainState
 
 
 def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: PrecisionPolicy, hooks=None) -> nnx.Module:
     """The model on `params` in the compute dtype (the layout's hooks expand sharded weights)."""
-    return nnx.merge(graphdef, precision.cast_to_compute(hooks.model_weights(params) if hooks else params))
+    weights = precision.cast_to_compute(hooks.model_weights(params) if hooks else params)
+    return nnx.merge(graphdef, read_as(weights, precision.compute))  # frozen weights read in it too
 
 
 @jax.tree_util.register_dataclass
@@ -62,18 +66,41 @@ def _cross_entropy(logits_BLV: jax.Array, batch: PackedRows) -> jax.Array:
     return _loss_stats(logits_BLV, batch)[0]
 
 
-def _loss_stats(logits_BLV: jax.Array, batch: PackedRows) -> tuple[jax.Array, dict]:
+def _mean_loss(losses_BL: jax.Array, batch: PackedRows) -> tuple[jax.Array, dict]:
     """(the mean cross-entropy, {'loss': it, and for a mixture each source's share: PackedRows.by_source})."""
-    logits_BLV = logits_BLV.astype(jnp.float32)
-    return batch.mean_loss(optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch.targets_BL))
+    return batch.mean_loss(losses_BL)
 
 
-def _head_stats(model: nnx.Module, x_BLD: jax.Array, batch, chunks: int) -> tuple[jax.Array, dict]:
-    """_loss_stats of the logits of a block model's last hidden states, the logits computed `chunks`
+def _reduction(t: TrainConfig) -> Callable:
+    """reduce(losses_BL, batch) -> (loss, stats): what each target's cross-entropy becomes under
+    train.objective: the mean (sft), or the preference loss over the rows' pairs with its metrics."""
+    if t.objective == "sft":
+        return _mean_loss
+    return functools.partial(batch_objective, t.objective, t.preference)
+
+
+def _target_losses(logits_BLV: jax.Array, batch: PackedRows) -> jax.Array:
+    """Each target's next-token cross-entropy (B, L), in fp32."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), batch.targets_BL)
+
+
+def _loss_stats(logits_BLV: jax.Array, batch: PackedRows, reduce: Callable = _mean_loss) -> tuple[jax.Array, dict]:
+    """reduce (_mean_loss: the mean cross-entropy; _reduction) of the logits' per-target cross-entropy."""
+    return reduce(_target_losses(logits_BLV, batch), batch)
+
+
+def _head_losses(model: nnx.Module, x_BLD: jax.Array, batch, chunks: int) -> jax.Array:
+    """Each target's cross-entropy from a block model's last hidden states, the logits computed `chunks`
     strided chunks of the sequence at a time (train.loss_chunks; jaxpar.train.chunked_loss)."""
     if chunks == 1:
-        return _loss_stats(model.logits(x_BLD), batch)
-    return batch.mean_loss(chunked_token_losses(model, x_BLD, batch.targets_BL, chunks))
+        return _target_losses(model.logits(x_BLD), batch)
+    return chunked_token_losses(model, x_BLD, batch.targets_BL, chunks)
+
+
+def _head_stats(model: nnx.Module, x_BLD: jax.Array, batch, chunks: int,
+                reduce: Callable = _mean_loss) -> tuple[jax.Array, dict]:
+    """reduce of _head_losses: the mean cross-entropy by default."""
+    return reduce(_head_losses(model, x_BLD, batch, chunks), batch)
 
 
 def _embedded(model: nnx.Module, batch: PackedRows) -> jax.Array:
@@ -104,30 +131,39 @@ def in_device_order(batch: PackedRows, layout: Layout) -> PackedRows:
     return rows.in_order(device_order(rows.tokens_BT.shape[1] - 1, layout.context, True))
 
 
+def target_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: PackedRows, precision: PrecisionPolicy,
+                  loss_chunks: int = 1) -> jax.Array:
+    """Each target's next-token cross-entropy (B, L) in fp32, in the targets' order (a block model's
+    logits `loss_chunks` chunks of the sequence at a time: train.loss_chunks)."""
+    model = _model(graphdef, params, precision)
+    if loss_chunks == 1 or not is_block_model(model):
+        return _target_losses(_logits(model, batch), batch)
+    x_BLD, _ = _run_blocks(model, _embedded(model, batch), None, None, RowInputs(None, batch.segments()))
+    return _head_losses(model, x_BLD, batch, loss_chunks)
+
+
 def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT, precision: PrecisionPolicy,
                loss_chunks: int = 1) -> jax.Array:
     """Mean next-token cross-entropy over the batch (a token array or packed rows), computed in fp32
     (a block model's logits `loss_chunks` chunks of the sequence at a time: train.loss_chunks)."""
     batch = PackedRows.of(tokens_BT).weighted()
-    model = _model(graphdef, params, precision)
-    if loss_chunks == 1 or not is_block_model(model):
-        return _cross_entropy(_logits(model, batch), batch)
-    x_BLD, _ = _run_blocks(model, _embedded(model, batch), None, None, RowInputs(None, batch.segments()))
-    return _head_stats(model, x_BLD, batch, loss_chunks)[0]
+    return _mean_loss(target_losses(graphdef, params, batch, precision, loss_chunks), batch)[0]
 
 
 def objective(model: nnx.Module, batch: PackedRows, rows: RowInputs, t: TrainConfig, experts: ExpertTerms,
               scan=None):
-    """(cross-entropy + MoE auxiliary losses, stats): what training minimizes, and what it reports.
+    """(cross-entropy or preference loss + MoE auxiliary losses, stats): what training minimizes, and
+    what it reports.
 
     batch: rows weighted by the step. rows: the routing noise and the packed documents per row.
-    stats: 'loss' (the cross-entropy alone) and, for MoE models, the routing statistics averaged
-    over MoE layers. A model without the block protocol (jaxpar.model.protocol) is called whole.
+    stats: 'loss' (the cross-entropy or preference loss alone; a preference objective adds its pair
+    metrics) and, for MoE models, the routing statistics averaged over MoE layers. A model without the
+    block protocol (jaxpar.model.protocol) is called whole.
     """
     if not is_block_model(model):
-        return _loss_stats(_logits(model, batch), batch)
+        return _loss_stats(_logits(model, batch), batch, _reduction(t))
     x_BLD, routing = _run_blocks(model, _embedded(model, batch), scan, None, rows)
-    loss, stats = _head_stats(model, x_BLD, batch, t.loss_chunks)
+    loss, stats = _head_stats(model, x_BLD, batch, t.loss_chunks, _reduction(t))
     if not routing:
         return loss, stats
     aux, sums = experts.objective_terms(routing)
@@ -140,17 +176,23 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPo
     t = cfg.train
     scan = layer_scan(t.remat, hooks, t.offloads_activations)
     model = lambda p: _model(graphdef, p, precision, hooks)  # noqa: E731
+    reduce = _reduction(t)
 
     def layers(p, x_bLD, layer_ids, rows_b: RowInputs):
         x_bLD, routing = _run_blocks(model(p), x_bLD, scan, layer_ids, rows_b)
         aux, sums = experts.objective_terms(routing)
         return (x_bLD, aux * scale), sums
 
+    def head_loss(p, x_bLD, tokens_bT):  # the loss alone for sft; a preference objective's metrics too
+        loss, stats = _head_stats(model(p), x_bLD, tokens_bT, t.loss_chunks, reduce)
+        reported = {} if t.objective == "sft" else {k: v for k, v in stats.items() if k != "loss"}
+        return loss * scale, reported
+
     return StageFns(
         cast=precision.cast_to_compute,
         embed=lambda p, tokens_bT: _embedded(model(p), tokens_bT),
         layers=layers,
-        head_loss=lambda p, x_bLD, tokens_bT: _head_stats(model(p), x_bLD, tokens_bT, t.loss_chunks)[0] * scale,
+        head_loss=head_loss,
     )
 
 
@@ -196,12 +238,36 @@ def _gradient_fn(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: 
 
     def pipelined(hooks, params, batch, scale):
         micro = layout.split_microbatches(batch, pipeline.table.microbatches)
-        loss, sums, grads = pipeline.value_and_grad(stage_fns(graphdef, hooks, cfg, precision, scale, experts), params,
-                                                    layout.stacked_mask(params), micro)
-        units = pipeline.table.microbatches * pipeline.stacked_layers
-        return {"loss": loss / scale, **routing_stats(sums, units)}, grads
+        loss, (sums, head_sums), grads = pipeline.value_and_grad(
+            stage_fns(graphdef, hooks, cfg, precision, scale, experts), params, layout.stacked_mask(params), micro)
+        M = pipeline.table.microbatches
+        head = {k: v / M for k, v in head_sums.items()}
+        return {"loss": loss / scale, **head, **routing_stats(sums, M * pipeline.stacked_layers)}, grads
 
     return accumulated if pipeline.table is None else pipelined
+
+
+def _preparation(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: PipelinePlan,
+                 precision: PrecisionPolicy) -> Callable:
+    """prepare(params, batch) -> the batch as the gradient takes it: its counted targets weighted
+    (PackedRows.weighted) for sft; for a preference objective its rows weighted by their valid pairs
+    (jaxpar.train.preference.weighted_pairs) and, for dpo, each target's log-probability under the
+    reference (the model with every adapter's B zeroed) in reference_BL, computed before and outside
+    the gradient the way evaluation computes its loss, in the targets' order."""
+    t = cfg.train
+    if t.objective == "sft":
+        return lambda params, batch: batch.weighted()
+
+    def prepare(params, batch: PackedRows) -> PackedRows:
+        batch = weighted_pairs(batch)
+        if t.objective != "dpo":
+            return batch
+        reference = without_adapters(pipeline.to_model_order(params))
+        with layout_hooks(eval_hooks(layout)):
+            losses_BL = target_losses(graphdef, reference, batch, precision, t.loss_chunks)
+        return dataclasses.replace(batch, reference_BL=jax.lax.stop_gradient(-losses_BL))
+
+    return prepare
 
 
 def _updated(optimizer: Optimizer, state: TrainState, grads, finite, layout: Layout, offloads: bool):
@@ -214,7 +280,8 @@ def _updated(optimizer: Optimizer, state: TrainState, grads, finite, layout: Lay
         params = trainable(state.params)  # the frozen weights have no optimizer state and no update
         updates, opt_state = optimizer.tx.update(grads, state.opt_state, params)
         opt_state = unless_skipped(finite, opt_state, state.opt_state)
-        return with_frozen(state.params, unless_skipped(finite, optax.apply_updates(params, updates), params)), opt_state
+        updated = unless_skipped(finite, optax.apply_updates(params, updates), params)
+        return with_frozen(state.params, updated), opt_state
     return unless_skipped(finite, optax.apply_updates(state.params, updates), state.params), opt_state
 
 
@@ -228,10 +295,11 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     experts = ExpertTerms.build(cfg.model.moe, t.seed, cfg.model.n_layers,
                                 layout.manual_batch_ways * pipeline.microbatches(t.grad_accum), trace_routing)
     grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision, experts)
+    prepare = _preparation(graphdef, cfg, layout, pipeline, precision)
     checks_finite = precision.loss_scaling or t.on_nonfinite == "skip"
 
     def train_step(state: TrainState, batch, replay_BULE: jax.Array | None = None):
-        batch, scale = in_device_order(PackedRows.of(batch), layout).weighted(), state.loss_scale.scale
+        batch, scale = prepare(state.params, in_device_order(PackedRows.of(batch), layout)), state.loss_scale.scale
         noise_B, routing = experts.row_inputs(state.step, batch.tokens_BT.shape[0], replay_BULE)
         grad_params = state.stale_params if pipeline.stale_weights else state.params
         stats, grads = gradients(layout, grad_fn, grad_params, (batch, RowInputs(noise_B, batch.segments(), routing)),
