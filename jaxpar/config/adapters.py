@@ -17,7 +17,9 @@ class LoRAConfig:
     rank: int = 0  # 0: no adapters, every weight trains
     alpha: float = 16.0
     targets: str = "q,k,v,o,gate,up,down"  # a comma list of LORA_TARGETS (gate: where the MLP has one, swiglu)
-    base_dtype: Literal["fp32", "bf16"] = "fp32"  # how the frozen weights are stored
+    # how the frozen weights are stored: fp32 or bf16 bits; int8 or nf4 (QLoRA): the projections quantized in
+    # blocks of 64 with a bf16 scale each (1.03 or 0.53 bytes a weight), the embeddings and norms bf16
+    base_dtype: Literal["fp32", "bf16", "int8", "nf4"] = "fp32"
     from_peft: str = ""  # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from
 
     @property

@@ -2,8 +2,9 @@
 
 A target weight W (inputs x outputs, after any leading expert dimension) gains two small trainable
 matrices: A (inputs x r), drawn small, and B (r x outputs), zero, so the first step computes the
-base model. The layer uses W + (alpha / r) A B, formed layer by layer inside the layer scan just
-before the matmul, so every layout's matmul, collectives and ZeRO expansion apply to it unchanged.
+base model. A projection adds (alpha / r) (x A) B to x W (lora_output): the small product first, so
+backward forms only the adapters' gradients. The routed experts' weights take W + (alpha / r) A B,
+formed layer by layer inside the layer scan (adapted), which their grouped matmuls take as they are.
 
 Logical names: A shares W's input names, B its output names, and the rank axis has none
 (replicated). So a column-split projection splits B, a row-split one splits A, and ZeRO-3 shards
@@ -35,19 +36,26 @@ from jaxpar.model import quantize
 from jaxpar.model.axes import constrain
 
 _BITS = {"float32": jnp.uint32, "bfloat16": jnp.uint16}
-_FLOATS = {"fp32": "float32", "bf16": "bfloat16", "int8": "bfloat16", "nf4": "bfloat16"}
+_FLOAT_OF_BITS = {jnp.dtype(jnp.uint32): jnp.float32, jnp.dtype(jnp.uint16): jnp.bfloat16}
+_FLOATS = {"fp32": "float32", "bf16": "bfloat16"}
 # The weights int8 and nf4 quantize (by attribute): attention's and the MLP's projections, the experts' matrices.
 QUANTIZED = frozenset({"w_qkv", "w_q", "w_kv", "wo", "w_gate_up", "w_up", "w_down"})
 
 
 class Frozen(nnx.Variable):
-    """A weight that does not train, stored as the bit pattern of its float (`float` metadata: the
-    dtype it reads back as), or quantized and packed (`quantized` metadata: (kind, blocked axis from the
-    end), reading back as float32). `[...]` reads the float weight."""
+    """A weight that does not train, stored as the bit pattern of its float, or quantized and packed.
+    Metadata: `float`, the dtype it reads back as; `bits`, the float whose bits are stored where that
+    differs (bfloat16 under int8 and nf4); `quantized`, (kind, blocked axis from the end) for a quantized
+    one. `[...]` reads the float weight."""
 
     def __getitem__(self, key):
         metadata = self.get_metadata()
         return decode(self.get_value(), metadata["float"], metadata.get("quantized"))[key]
+
+    def encoded(self, value: jax.Array) -> Frozen:
+        """This variable holding float `value` stored as its metadata says."""
+        metadata = self.get_metadata()
+        return self.replace(encode(value, metadata.get("bits") or metadata["float"], metadata.get("quantized")))
 
 
 def encode(value: jax.Array, dtype: str, quantized: tuple[str, int] | None = None) -> jax.Array:
@@ -59,14 +67,14 @@ def encode(value: jax.Array, dtype: str, quantized: tuple[str, int] | None = Non
 
 
 def decode(stored: jax.Array, dtype: str, quantized: tuple[str, int] | None = None) -> jax.Array:
-    """The float weight of `encode`'s integers (a ShapeDtypeStruct stays abstract: the float weight's shape,
-    with the stored sharding)."""
+    """The float weight, in `dtype`, of `encode`'s integers (a ShapeDtypeStruct stays abstract: the float
+    weight's shape, with the stored sharding)."""
     if isinstance(stored, jax.ShapeDtypeStruct):
         shape = stored.shape if quantized is None else quantize.unpacked_shape(stored.shape, *quantized)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=stored.sharding)
     if quantized is not None:
         return quantize.unpack(stored, *quantized, dtype)
-    return jax.lax.bitcast_convert_type(stored, dtype)
+    return jax.lax.bitcast_convert_type(stored, _FLOAT_OF_BITS[jnp.dtype(stored.dtype)]).astype(dtype)
 
 
 class Adapter(nnx.Module):
@@ -181,29 +189,44 @@ def merged_weights(model: nnx.Module) -> dict[tuple, jax.Array]:
 
 def freeze(module: nnx.Module, lora: LoRAConfig) -> None:
     """Every weight of `module` but the adapters becomes Frozen, stored as bits of model.lora.base_dtype
-    (fp32 or bf16); with int8 or nf4, the QUANTIZED weights quantized along their 'embed' dimension
-    (jaxpar.model.quantize), every other one as bf16 bits."""
+    (fp32 or bf16). With int8 or nf4 every one reads back as float32: the QUANTIZED weights quantized along
+    their 'embed' dimension (jaxpar.model.quantize), every other one stored as bf16 bits."""
     for _, node in list(nnx.iter_graph(module)):
         if not isinstance(node, nnx.Module):
             continue
         for name, value in list(vars(node).items()):
             if isinstance(value, nnx.Param) and not isinstance(value, nnx.LoRAParam):
                 metadata = {k: v for k, v in value.get_metadata().items() if k in ("out_sharding", "eager_sharding")}
-                names = tuple(metadata.get("out_sharding") or ())
-                quantized = None
-                if lora.base_dtype in quantize.KINDS and name in QUANTIZED and "embed" in names:
-                    quantized = (lora.base_dtype, names.index("embed") - len(names))  # from the end: any stacking
-                    metadata["quantized"] = quantized
-                dtype = "float32" if quantized else _FLOATS[lora.base_dtype]
-                setattr(node, name, Frozen(encode(value.get_value(), dtype, quantized), float=dtype, **metadata))
+                storage = _storage(name, metadata, lora)
+                stored = encode(value.get_value(), storage.get("bits") or storage["float"], storage.get("quantized"))
+                setattr(node, name, Frozen(stored, **metadata, **storage))
+
+
+def _storage(name: str, metadata: dict, lora: LoRAConfig) -> dict:
+    """How `freeze` stores the weight `name` (the Frozen metadata besides its logical names)."""
+    if lora.base_dtype not in quantize.KINDS:  # read back as fp32 (the step reads it in its compute dtype)
+        return {"float": "float32", "bits": _FLOATS[lora.base_dtype]}
+    names = tuple(metadata.get("out_sharding") or ())
+    if name in QUANTIZED and "embed" in names:  # the blocked axis counted from the end: it holds for any stacking
+        return {"float": "float32", "quantized": (lora.base_dtype, names.index("embed") - len(names))}
+    return {"float": "float32", "bits": "bfloat16"}
 
 
 def freeze_state(state):
     """A state of Frozen variables holding floats (a checkpoint's weights, as read) with each stored as
     `freeze` stores it: the integers of its `float` dtype, or quantized as its `quantized` metadata says.
     Each keeps its sharding: a quantized weight's float and packed forms split at the same blocks."""
-    return jax.tree.map(lambda v: v.replace(encode(v.get_value(), v.get_metadata()["float"],
-                                                   v.get_metadata().get("quantized"))), state,
+    return jax.tree.map(lambda v: v.encoded(v.get_value()), state, is_leaf=lambda x: isinstance(x, Frozen))
+
+
+def read_as(params, dtype: str):
+    """`params` with every Frozen weight reading back in `dtype`, as stored (for the precision policy's compute
+    dtype: the frozen weights then enter the matmuls as the trained ones do after their cast; without it a
+    weight reads back as its `float` metadata says, and an fp32 read makes the model compute in fp32)."""
+    def one(v):  # `bits` keeps what is stored, so that `encoded` still stores the same
+        return v.replace(float=dtype, bits=v.get_metadata().get("bits") or v.get_metadata()["float"])
+
+    return jax.tree.map(lambda v: one(v) if isinstance(v, Frozen) else v, params,
                         is_leaf=lambda x: isinstance(x, Frozen))
 
 
