@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 from helpers import SMALL_MODEL
 
+from jaxpar.cli import main
+from jaxpar.config import MESH_AXES
 from jaxpar.config.preference import PreferenceConfig
 from jaxpar.config.presets import load_config
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.errors import ConfigError
+from jaxpar.features import problem
 from jaxpar.session import on_devices
 from jaxpar.train.checkpoint import flat_by_path
-from jaxpar.train.preference import batch_objective, check_objective, pair_log_probs, weighted_pairs
+from jaxpar.train.preference import batch_objective, pair_log_probs, weighted_pairs
 from jaxpar.train.step import target_losses
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import reference_config
@@ -202,9 +204,10 @@ def test_tied_pairs_have_accuracy_0_and_rows_weigh_by_the_whole_batch():
         assert 0 < int(valid.sum()) < 12 * 16
 
 
-def test_dpo_needs_adapters():
-    with pytest.raises(ConfigError, match=r"^train.objective=dpo takes its reference .* is not built yet\)\.$"):
-        check_objective(load_config(None, ["train.objective=dpo"]))
+def test_dpo_needs_adapters(capsys):
+    assert main(["train", "configs/tiny_test.yaml", "train.objective=dpo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar: error: train.objective=dpo takes its reference") and len(err.splitlines()) == 1
     for settings in (["train.objective=dpo", "model.lora.rank=4"], ["train.objective=simpo"],
                      ["train.objective=orpo"], []):
-        check_objective(load_config(None, settings))
+        assert problem(load_config(None, settings), dict.fromkeys(MESH_AXES, 1)) is None

@@ -40,10 +40,21 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
         yield "train.lr and train.clip_norm must be positive, train.warmup and train.weight_decay non-negative."
     if t.lr_schedule_steps < 0:
         yield f"train.lr_schedule_steps must be 0 (follow train.steps) or positive, got {t.lr_schedule_steps}."
+    yield from _objective(cfg)
     chunks, seq_len, split = t.loss_chunks, cfg.model.seq_len, sequence_split(cfg, sizes)
     if chunks < 0 or (chunks and not fits(chunks, seq_len, split)):
         tensor = f" into chunks divisible by mesh.tensor={split} (sequence parallelism)" if split > 1 else ""
         yield f"train.loss_chunks={chunks} must be 0 (automatic) or divide model.seq_len={seq_len}{tensor}."
+
+
+def _objective(cfg: Config) -> Checks:
+    """train.objective's settings; DPO's reference is the model with its adapters off (jaxpar.train.preference)."""
+    t = cfg.train
+    if t.objective == "dpo" and not cfg.model.lora.enabled:
+        yield ("train.objective=dpo takes its reference from the base model with the adapters off, so it needs "
+               "model.lora.rank > 0 (a reference pass stored beside the tokens is not built yet).")
+    if t.objective != "sft" and t.preference.beta <= 0:
+        yield f"train.preference.beta must be positive, got {t.preference.beta}."
 
 
 def fits(chunks: int, seq_len: int, sequence_split: int) -> bool:

@@ -24,7 +24,6 @@ from flax import nnx
 
 from jaxpar.config.preference import PreferenceConfig
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.errors import ConfigError
 from jaxpar.model.axes import is_variable
 
 # ORPO's largest mean log-probability: log(1 - exp(a)) is -inf at a = 0 (a response the model is certain
@@ -169,17 +168,6 @@ def pair_metrics(losses: dict[str, jax.Array], valid: jax.Array) -> dict[str, ja
 
 
 # ---- in the train step ----------------------------------------------------------------------------
-
-DPO_NEEDS_ADAPTERS = ("train.objective=dpo takes its reference from the base model with the adapters off, so it "
-                      "needs model.lora.rank > 0 (a reference pass stored beside the tokens is not built yet).")
-
-
-def check_objective(cfg) -> None:
-    """Raise ConfigError where train.objective cannot run on `cfg` (a Config): DPO needs LoRA adapters,
-    its reference being the model with them off. SimPO and ORPO are reference-free."""
-    if cfg.train.objective == "dpo" and cfg.model.lora.rank <= 0:
-        raise ConfigError(DPO_NEEDS_ADAPTERS)
-
 
 def _pair_sums(logp_BL: jax.Array, batch: PackedRows) -> PairLogProbs:
     """pair_log_probs of per-target log-probabilities (in the targets' order) of preference rows: the
