@@ -19,14 +19,14 @@ from jaxpar.train.verify import verify
 ADAPTERS = ("model.lora.rank=4", "model.mlp=swiglu", "train.steps=3", "model.n_layers=4")
 MOE = ("model.moe.experts=4", "model.moe.mlp=swiglu", "model.lora.targets=q,k,v,o,gate,up,down,experts")
 LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"
-LAYOUTS = {  # every target on each: the gated MLP's gate, up and down, attention's q, k, v and o
+# every target on each: the gated MLP's gate, up and down, attention's q, k, v and o (1F1B, GPipe and
+# context=2 x tensor=2 run adapters under DPO in tests/test_preference_step.py)
+LAYOUTS = {
     "data=4 x tensor=2, zero 3": ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3"],
-    "data=2 x stage=4, 1f1b": ["mesh.data=2", "mesh.stage=4"],
     "data=2 x stage=4, interleaved, 8 layers": ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=interleaved",
                                                 "parallel.pipeline.virtual=2", "model.n_layers=8"],
     "data=2 x stage=4, 2bw": ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=2bw"],
     "data=2 x expert=4, adapters on the experts": ["mesh.data=2", "mesh.expert=4", *MOE],
-    "context=2 x tensor=2": ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"],
 }
 QUICK = ("data=4 x tensor=2, zero 3",)
 

@@ -40,7 +40,7 @@ def hand_made(w: np.ndarray, name: str, kind: str, axis: int | None) -> np.ndarr
     return np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("kind", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])
 def test_quantized_base_matches_single_device(kind, session_for):
     session = session_for(*MODEL, *ZERO3, f"model.lora.base_dtype={kind}", "train.steps=3")
     trainer = Trainer(session)
@@ -52,6 +52,7 @@ def test_quantized_base_matches_single_device(kind, session_for):
     assert result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4
 
 
+@pytest.mark.slow
 def test_first_step_equals_the_hand_dequantized_model(session_for):
     """An nf4 base reads back exactly as quantize.py's dequantize (its norms and embedding as bf16): its
     packed weights decode to those of an fp32 base quantized and dequantized by hand, and the first step's
@@ -82,6 +83,7 @@ def test_first_step_equals_the_hand_dequantized_model(session_for):
     assert losses[0] == losses[1]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_quantized_as_read_and_stays_bit_for_bit(session_for, tmp_path):
     """A Llama-family checkpoint (grouped-query attention: w_q and w_kv apart) on data=4 x tensor=2 with ZeRO-3:
     read onto the layout in floats, then packed in place (each device its own blocks); 3 steps later every
@@ -145,6 +147,7 @@ def test_xla_counts_about_half_a_byte_a_weight():
     assert projections_and_norms < tied < untied < 2  # the embedding and head stay bf16
 
 
+@pytest.mark.slow
 def test_frozen_weights_can_read_in_the_compute_dtype():
     """read_as: the same stored integers, read back in bf16 (the float32 read rounded once), and stored again
     as they were (quantizing a dequantized weight gives its codes and scales back)."""
