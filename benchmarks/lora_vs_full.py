@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3, help="full fine-tuning's peak learning rate")
-    p.add_argument("--lora-lr", type=float, default=1e-2, help="the adapters' peak learning rate (LoRA takes a larger one)")
+    p.add_argument("--lora-lr", type=float, default=1e-2, help="the adapters' peak learning rate")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--work", default="/tmp/lora_vs_full")
     a = p.parse_args()
