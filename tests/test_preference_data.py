@@ -224,3 +224,11 @@ def test_bad_inputs_end_in_one_sentence(rows, flags, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # nothing written
+
+
+def test_a_preference_objective_on_plain_documents_is_one_sentence_before_compiling(capsys):
+    from jaxpar.cli import main
+
+    assert main(["train", "configs/tiny_test.yaml", "train.objective=simpo", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "train.objective=simpo trains on preference pairs" in err and len(err.strip().splitlines()) == 1
