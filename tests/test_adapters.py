@@ -21,14 +21,15 @@ MOE = ("model.moe.experts=4", "model.moe.mlp=swiglu", "model.lora.targets=q,k,v,
 LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"
 # every target on each: the gated MLP's gate, up and down, attention's q, k, v and o (1F1B, GPipe and
 # context=2 x tensor=2 run adapters under DPO in tests/test_preference_step.py)
-LAYOUTS = {
-    "data=4 x tensor=2, zero 3": ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3"],
-    "data=2 x stage=4, interleaved, 8 layers": ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=interleaved",
-                                                "parallel.pipeline.virtual=2", "model.n_layers=8"],
+LAYOUTS = {  # dropout's masks too: each row's are the same whichever device, microbatch or stage holds it
+    "data=4 x tensor=2, zero 3, dropout": ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3", "model.lora.dropout=0.1"],
+    "data=2 x stage=4, interleaved, 8 layers, dropout": [
+        "mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.virtual=2",
+        "model.n_layers=8", "model.lora.dropout=0.1"],
     "data=2 x stage=4, 2bw": ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=2bw"],
     "data=2 x expert=4, adapters on the experts": ["mesh.data=2", "mesh.expert=4", *MOE],
 }
-QUICK = ("data=4 x tensor=2, zero 3",)
+QUICK = ("data=4 x tensor=2, zero 3, dropout",)
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow)
@@ -87,6 +88,24 @@ def test_first_step_computes_the_base_model(session_for):
     assert losses[0] == losses[1]
 
 
+def test_dropout_acts_while_training_only(session_for):
+    """The adapters' dropout changes what the adapters learn, and nothing else: evaluation sees no mask."""
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 256, (8, 33), dtype=np.int32)
+    results = []
+    for dropout in (0.0, 0.5):
+        trainer = Trainer(session_for(*SMALL_MODEL, "model.lora.rank=4", "model.n_layers=2", "mesh.data=4",
+                                      "mesh.tensor=2", "train.batch_size=8", f"model.lora.dropout={dropout}"))
+        state = trainer.init()
+        before = float(trainer.eval_loss(state.params, trainer.put_batch(tokens)))
+        for _ in range(2):
+            state, _ = trainer.step(state, trainer.put_batch(tokens))
+        adapters = nnx.split_state(state.params, Frozen, nnx.LoRAParam)[1]
+        results.append((before, np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(adapters))])))
+    assert results[0][0] == results[1][0]  # evaluation: no dropout (and B = 0 at the start)
+    assert not np.allclose(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("settings, words", [
     (["model.lora.rank=-1"], "model.lora.rank must be 0"),
     (["model.lora.targets=q,v"], "model.lora.rank is 0"),
@@ -94,6 +113,7 @@ def test_first_step_computes_the_base_model(session_for):
     (["model.lora.rank=4", "model.lora.targets=experts"], "has none"),
     (["model.lora.rank=4", "model.lora.alpha=0"], "model.lora.alpha must be positive"),
     (["model.lora.rank=100000"], "exceeds the q weight's smaller side"),
+    (["model.lora.rank=4", "model.lora.dropout=1"], "model.lora.dropout must be at least 0 and below 1"),
 ])
 def test_bad_adapter_settings_are_one_sentence(settings, words, capsys):
     extra = [] if any(s.startswith("model.lora.rank") for s in settings) else ["model.lora.rank=0"]

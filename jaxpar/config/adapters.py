@@ -16,6 +16,7 @@ class LoRAConfig:
     zero, so the first step computes the base model; only A and B train."""
     rank: int = 0  # 0: no adapters, every weight trains
     alpha: float = 16.0
+    dropout: float = 0.0  # on each projection adapter's input, while training (p of zeroing an element)
     targets: str = "q,k,v,o,gate,up,down"  # a comma list of LORA_TARGETS (gate: where the MLP has one, swiglu)
     # how the frozen weights are stored: fp32 or bf16 bits; int8 or nf4 (QLoRA): the projections quantized in
     # blocks of 64 with a bf16 scale each (1.03 or 0.53 bytes a weight), the embeddings and norms bf16

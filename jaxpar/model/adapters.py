@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.config.adapters import LoRAConfig
+from jaxpar.config.adapters import LORA_TARGETS, LoRAConfig
 from jaxpar.model import quantize
 from jaxpar.model.axes import constrain
 
@@ -82,7 +82,7 @@ class Adapter(nnx.Module):
     (the experts) that A and B keep, then the dimensions a token's input and output span."""
 
     def __init__(self, key: jax.Array, shapes: tuple[tuple, tuple, tuple], names: tuple[tuple, tuple, tuple],
-                 lora: LoRAConfig):
+                 lora: LoRAConfig, tag: int = 0):
         (batch, ins, outs), (batch_names, in_names, out_names) = shapes, names
         r = lora.rank
         fan_in = int(np.prod(ins))
@@ -92,6 +92,7 @@ class Adapter(nnx.Module):
                                out_sharding=(*batch_names, None, *out_names), eager_sharding=False)
         self.dims = (len(batch), len(ins), len(outs))
         self.scale = lora.scale
+        self.dropout, self.tag = lora.dropout, tag  # tag: its own dropout stream (the target's index)
 
     def delta(self) -> jax.Array:
         """(alpha / r) A B, shaped like the weight (and like a stack of them: leading layer dimensions
@@ -109,17 +110,18 @@ def adapters(cfg_lora: LoRAConfig, rngs: nnx.Rngs, targets: dict[str, tuple],
     rest, and for all without adapters. Drawn from the `lora` stream, so the base weights come out the
     same with adapters or without."""
     chosen = cfg_lora.target_set if cfg_lora.enabled else ()
-    return {name: Adapter(rngs.lora(), shapes, names, cfg_lora) if (target or name) in chosen else None
-            for name, (shapes, names) in targets.items()}
+    return {name: Adapter(rngs.lora(), shapes, names, cfg_lora, LORA_TARGETS.index(target or name))
+            if (target or name) in chosen else None for name, (shapes, names) in targets.items()}
 
 
 def lora_output(x: jax.Array, slots: tuple[Adapter | None, ...] | Adapter | None, x_names: tuple,
-                out_names: tuple, ins: int = 1) -> jax.Array | None:
+                out_names: tuple, ins: int = 1, keys_B: jax.Array | None = None) -> jax.Array | None:
     """What the adapters add to a projection's output, (alpha / r) (x A) B, computed that way round: the
     small (tokens x r) product first, so backward forms only the adapters' gradients (never the weight's)
     and a data-parallel step sums only those. x: (*lead, *inputs) named x_names; `ins` input dimensions.
     `slots`: one adapter, or one per slot of a fused projection (the result stacks them on the axis
-    before the outputs, zeros where a slot has none). None where there is no adapter."""
+    before the outputs, zeros where a slot has none). None where there is no adapter. keys_B (training):
+    a PRNG key per row for model.lora.dropout on x (see dropped)."""
     many = isinstance(slots, tuple)
     present = [s for s in (slots if many else (slots,)) if s is not None]
     if not present:
@@ -129,7 +131,8 @@ def lora_output(x: jax.Array, slots: tuple[Adapter | None, ...] | Adapter | None
 
     def one(adapter: Adapter) -> jax.Array:
         a, b = adapter.a[...].astype(x.dtype), adapter.b[...].astype(x.dtype)
-        h = jnp.tensordot(x, a, axes=(tuple(range(lead, x.ndim)), tuple(range(ins))))  # (*lead, r)
+        x_in = dropped(x, adapter, keys_B)
+        h = jnp.tensordot(x_in, a, axes=(tuple(range(lead, x.ndim)), tuple(range(ins))))  # (*lead, r)
         h = constrain(h, (*lead_names, None))
         return adapter.scale * jnp.tensordot(h, b, axes=((lead,), (0,)))
 
@@ -138,6 +141,18 @@ def lora_output(x: jax.Array, slots: tuple[Adapter | None, ...] | Adapter | None
     outs = [one(s) if s is not None else None for s in slots]
     zero = jnp.zeros_like(next(o for o in outs if o is not None))
     return constrain(jnp.stack([zero if o is None else o for o in outs], axis=lead), out_names)
+
+
+def dropped(x: jax.Array, adapter: Adapter, keys_B: jax.Array | None) -> jax.Array:
+    """x with each element zeroed with probability model.lora.dropout and the rest scaled by 1 / (1 - p),
+    while training (keys_B given). Each row's mask comes from its own key (the step's, folded with the row,
+    the layer and the adapter's tag), so no layout, microbatch or device changes which elements drop."""
+    if keys_B is None or not adapter.dropout:
+        return x
+    keep = 1.0 - adapter.dropout
+    mask = jax.vmap(lambda key: jax.random.bernoulli(jax.random.fold_in(key, 1000 + adapter.tag), keep,
+                                                     x.shape[1:]))(keys_B)
+    return jnp.where(mask, x / keep, 0).astype(x.dtype)
 
 
 def with_lora(y: jax.Array, delta: jax.Array | None) -> jax.Array:

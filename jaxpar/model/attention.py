@@ -70,14 +70,16 @@ class Attention(nnx.Module):
         self.kernel = cfg.attention
         self.flash_blocks = cfg.flash_blocks()
 
-    def __call__(self, x_BLD: jax.Array, segments: Segments | None = None) -> jax.Array:
+    def __call__(self, x_BLD: jax.Array, segments: Segments | None = None,
+                 keys_B: jax.Array | None = None) -> jax.Array:
         """Causal self-attention; with `segments` (packed rows) each document attends to itself alone
-        and its rotary positions restart at 0."""
+        and its rotary positions restart at 0. keys_B (training): a PRNG key per row, for the adapters'
+        dropout."""
         positions = None if segments is None else segments.positions_BL
-        q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD, positions)
+        q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD, positions, keys_B)
         ids_BL = None if segments is None else segments.ids_BL
         out_BLHK = context_attention(q_BLHK, k_BLGK, v_BLGK, ids_BL, self.flash_blocks)
-        return self.output(self._attend(q_BLHK, k_BLGK, v_BLGK, segments) if out_BLHK is None else out_BLHK)
+        return self.output(self._attend(q_BLHK, k_BLGK, v_BLGK, segments) if out_BLHK is None else out_BLHK, keys_B)
 
     def _attend(self, q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, segments: Segments | None):
         """Attention with whole sequences on each device, by model.attention's kernel."""
@@ -107,14 +109,14 @@ class Attention(nnx.Module):
         visible_LP = jnp.arange(k_BPHK.shape[1])[None, :] <= positions_L[:, None]
         return self.output(dot_attention(q_BLHK, k_BPHK, v_BPHK, visible_LP)), cache
 
-    def output(self, out_BLHK: jax.Array) -> jax.Array:
+    def output(self, out_BLHK: jax.Array, keys_B: jax.Array | None = None) -> jax.Array:
         """The heads' outputs through the output projection, into the residual stream."""
         names, residual = ("batch", "seq", "heads", "kv"), ("batch", "residual_seq", "embed")
         out_BLHK = constrain(out_BLHK, names)
         return constrain(with_lora(row_parallel("BLHK,HKD->BLD", out_BLHK, self.wo, names, residual),
-                                   lora_output(out_BLHK, self.lora_o, names, residual, ins=2)), residual)
+                                   lora_output(out_BLHK, self.lora_o, names, residual, ins=2, keys_B=keys_B)), residual)
 
-    def project(self, x_BLD: jax.Array, positions: jax.Array | None = None):
+    def project(self, x_BLD: jax.Array, positions: jax.Array | None = None, keys_B: jax.Array | None = None):
         """q (B, L, H, K) and k, v (B, L, G, K), G the key/value heads, with biases, head norms and
         rotary positions applied (positions: (L,) or per row (B, L); default 0 ... L-1)."""
         names, kv_names = ("batch", "seq", "heads", "kv"), ("batch", "seq", "kv_heads", "kv")
@@ -122,16 +124,16 @@ class Attention(nnx.Module):
         if self.fused_qkv:
             fused = ("batch", "seq", None, "heads", "kv")
             qkv_BLQHK = with_lora(column_parallel("BLD,DQHK->BLQHK", x_BLD, self.w_qkv, residual, fused),
-                                  lora_output(x_BLD, self._qkv_adapters, residual, fused))
+                                  lora_output(x_BLD, self._qkv_adapters, residual, fused, keys_B=keys_B))
             if self.b_qkv is not None:
                 qkv_BLQHK = qkv_BLQHK + self.b_qkv[...]
             q_BLHK, k_BLGK, v_BLGK = (constrain(qkv_BLQHK[:, :, i], names) for i in range(3))
         else:
             fused = ("batch", "seq", None, "kv_heads", "kv")
             q_BLHK = with_lora(column_parallel("BLD,DHK->BLHK", x_BLD, self.w_q, residual, names),
-                               lora_output(x_BLD, self.lora_q, residual, names))
+                               lora_output(x_BLD, self.lora_q, residual, names, keys_B=keys_B))
             kv_BLQGK = with_lora(column_parallel("BLD,DQGK->BLQGK", x_BLD, self.w_kv, residual, fused),
-                                 lora_output(x_BLD, self._qkv_adapters[1:], residual, fused))
+                                 lora_output(x_BLD, self._qkv_adapters[1:], residual, fused, keys_B=keys_B))
             if self.b_q is not None:
                 q_BLHK, kv_BLQGK = q_BLHK + self.b_q[...], kv_BLQGK + self.b_kv[...]
             q_BLHK = constrain(q_BLHK, names)

@@ -31,17 +31,18 @@ class MLP(nnx.Module):
         lora = adapters(cfg.lora, rngs, {"gate": into, "up": into, "down": out_of})
         self.lora_gate, self.lora_up, self.lora_down = (lora["gate"] if self.gated else None), lora["up"], lora["down"]
 
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    def __call__(self, x_BLD: jax.Array, keys_B: jax.Array | None = None) -> jax.Array:
+        """keys_B (training): a PRNG key per row, for the adapters' dropout."""
         residual, hidden = ("batch", "residual_seq", "embed"), ("batch", "seq", "mlp")
         if self.gated:
             fused = ("batch", "seq", None, "mlp")
             gate_up_BLQF = with_lora(column_parallel("BLD,DQF->BLQF", x_BLD, self.w_gate_up, residual, fused),
-                                     lora_output(x_BLD, (self.lora_gate, self.lora_up), residual, fused))
+                                     lora_output(x_BLD, (self.lora_gate, self.lora_up), residual, fused, keys_B=keys_B))
             h_BLF = jax.nn.silu(gate_up_BLQF[:, :, 0]) * gate_up_BLQF[:, :, 1]
         else:
             h_BLF = jax.nn.gelu(with_lora(column_parallel("BLD,DF->BLF", x_BLD, self.w_up, residual, hidden),
-                                          lora_output(x_BLD, self.lora_up, residual, hidden)))
+                                          lora_output(x_BLD, self.lora_up, residual, hidden, keys_B=keys_B)))
         h_BLF = constrain(h_BLF, hidden)
         y_BLD = with_lora(row_parallel("BLF,FD->BLD", h_BLF, self.w_down, hidden, residual),
-                          lora_output(h_BLF, self.lora_down, hidden, residual))
+                          lora_output(h_BLF, self.lora_down, hidden, residual, keys_B=keys_B))
         return constrain(y_BLD, residual)

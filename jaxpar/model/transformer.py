@@ -33,7 +33,7 @@ class Block(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, segments: Segments | None = None,
                  routing: RoutingTrace | None = None):
-        return self._feed_forward(x_BLD + self.attn(self.attn_norm(x_BLD), segments), noise_B, routing)
+        return self._feed_forward(x_BLD + self.attn(self.attn_norm(x_BLD), segments, noise_B), noise_B, routing)
 
     def decode(self, x_BLD: jax.Array, cache: KVCache):
         """The block on the next positions with its attention's key/value cache: (x, cache)."""
@@ -44,7 +44,7 @@ class Block(nnx.Module):
         if isinstance(self.mlp, MoE):
             y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), noise_B, routing)
             return x_BLD + y_BLD, stats
-        return x_BLD + self.mlp(self.mlp_norm(x_BLD)), {}
+        return x_BLD + self.mlp(self.mlp_norm(x_BLD), noise_B), {}
 
 
 class MoEUnit(nnx.Module):
