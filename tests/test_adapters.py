@@ -2,6 +2,7 @@
 base weights stay bit for bit what they were and hold no optimizer state, and bad settings are one
 sentence."""
 
+import json
 from pathlib import Path
 
 import jax
@@ -120,3 +121,21 @@ def test_bad_adapter_settings_are_one_sentence(settings, words, capsys):
     assert main(["train", "configs/tiny_test.yaml", *extra, *settings]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_llama_8b_with_adapters_plans_within_one_80_gb_device(capsys):
+    """Llama 3.1 8B with rank-16 adapters on every projection, seq 4096, full remat, on one device, read
+    from the compiled step: within 80 GB on a bf16 base, and the NF4 base's weights a third of that."""
+    plans = {}
+    for base in ("bf16", "nf4"):
+        assert main(["plan", "configs/llama3_8b.yaml", "run.devices=1", "mesh.data=1", "model.lora.rank=16",
+                     f"model.lora.base_dtype={base}", "model.seq_len=4096", "train.batch_size=1",
+                     "train.remat=full"]) == 0
+        plans[base] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    bf16, nf4 = plans["bf16"], plans["nf4"]
+    assert bf16["argument_bytes"] + bf16["temp_bytes"] <= 80e9
+    for plan in plans.values():  # AdamW's two moments of the adapters, which are all that has a gradient
+        assert abs(plan["opt_state_bytes"] - 2 * plan["grads_bytes"]) <= 0.05 * 2 * plan["grads_bytes"]
+    frozen_bf16, frozen_nf4 = (p["params_bytes"] - p["grads_bytes"] for p in (bf16, nf4))
+    assert frozen_nf4 < 0.4 * frozen_bf16
