@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import SMALL_MODEL
+from helpers import SMALL_MODEL, resumed_run_matches
 
 from jaxpar.cli import main
 from jaxpar.model.adapters import Frozen, decode
@@ -87,6 +87,14 @@ def test_first_step_computes_the_base_model(session_for):
         _, metrics = trainer.step(trainer.init(), trainer.put_batch(tokens))
         losses.append(float(metrics["loss"]))
     assert losses[0] == losses[1]
+
+
+@pytest.mark.slow
+def test_a_run_with_adapters_resumes_exactly(capsys, tmp_path):
+    """Frozen integer weights and an optimizer state with nothing for them go through a checkpoint."""
+    settings = [*SMALL_MODEL, "model.lora.rank=4", "model.lora.base_dtype=nf4", "mesh.data=4", "mesh.tensor=2",
+                "train.lr_schedule_steps=4"]
+    assert resumed_run_matches(capsys, tmp_path, settings, steps=4, cut=2)
 
 
 def test_dropout_acts_while_training_only(session_for):
