@@ -20,21 +20,18 @@ from jaxpar.train.verify import verify
 ADAPTERS = ("model.lora.rank=4", "model.mlp=swiglu", "train.steps=3", "model.n_layers=4")
 MOE = ("model.moe.experts=4", "model.moe.mlp=swiglu", "model.lora.targets=q,k,v,o,gate,up,down,experts")
 LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"
-# every target on each: the gated MLP's gate, up and down, attention's q, k, v and o (1F1B, GPipe and
-# context=2 x tensor=2 run adapters under DPO in tests/test_preference_step.py)
+# every target on each: the gated MLP's gate, up and down, attention's q, k, v and o (data=4 x tensor=2 with
+# ZeRO-3 runs them over a quantized base in tests/test_qlora.py; 1F1B, GPipe and context=2 x tensor=2 under
+# DPO in tests/test_preference_step.py)
 LAYOUTS = {  # dropout's masks too: each row's are the same whichever device, microbatch or stage holds it
-    "data=4 x tensor=2, zero 3, dropout": ["mesh.data=4", "mesh.tensor=2", "parallel.zero=3", "model.lora.dropout=0.1"],
     "data=2 x stage=4, interleaved, 8 layers, dropout": [
         "mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.virtual=2",
         "model.n_layers=8", "model.lora.dropout=0.1"],
     "data=2 x stage=4, 2bw": ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=2bw"],
     "data=2 x expert=4, adapters on the experts": ["mesh.data=2", "mesh.expert=4", *MOE],
 }
-QUICK = ("data=4 x tensor=2, zero 3, dropout",)
-
-
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow)
-                                    for name in LAYOUTS])
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_adapters_match_single_device(layout, session_for):
     result = verify(session_for(*SMALL_MODEL, *ADAPTERS, *LAYOUTS[layout]), log=lambda line: None)
     assert result["ok"], result
@@ -97,6 +94,7 @@ def test_a_run_with_adapters_resumes_exactly(capsys, tmp_path):
     assert resumed_run_matches(capsys, tmp_path, settings, steps=4, cut=2)
 
 
+@pytest.mark.slow
 def test_dropout_acts_while_training_only(session_for):
     """The adapters' dropout changes what the adapters learn, and nothing else: evaluation sees no mask."""
     rng = np.random.default_rng(2)

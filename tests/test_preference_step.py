@@ -167,6 +167,7 @@ def test_single_device_step_is_each_pairs_formula():
             assert abs(float(metrics["nll"]) - np.mean(nlls)) <= 1e-5 * np.mean(nlls)
 
 
+@pytest.mark.slow
 def test_dpo_starts_at_log_2():
     """Adapters' B start at zero, so at step 0 the policy is the reference: every pair's log-ratio is 0
     (to rounding: the reference is the evaluation's forward, the policy the step's), the loss
