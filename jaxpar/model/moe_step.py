@@ -1,6 +1,7 @@
-"""What a mixture of experts adds to the train step, behind one object: each row's routing noise and
-routing trace, the auxiliary losses and routing statistics of the objective, the router biases'
-own update (bias balancing), and the step's routing metrics. A dense model's ExpertTerms adds
+"""What a mixture of experts adds to the train step, behind one object: each row's PRNG key (its
+routing noise; the adapters' dropout draws from it too) and routing trace, the auxiliary losses and
+routing statistics of the objective, the router biases' own update (bias balancing), and the step's
+routing metrics. A dense model's ExpertTerms adds
 nothing, so the step reads the same for both.
 """
 
@@ -17,26 +18,29 @@ from jaxpar.model.routing_trace import RoutingTrace
 
 @dataclasses.dataclass(frozen=True)
 class ExpertTerms:
-    """moe: the model's MoE section; seed: train.seed (the routing noise's); traced_units: the MoE layers
+    """moe: the model's MoE section; seed: train.seed (the rows' keys'); traced_units: the MoE layers
     whose decisions the step records (verify; 0: none); traced_batches: how many traced batches
     make the step (batch shards under manual collectives x microbatches), by which per-batch counts
-    scale to the step."""
+    scale to the step; keyed_rows: whether the rows need keys beyond routing noise (model.lora.dropout)."""
 
     moe: MoEConfig
     seed: int
     traced_units: int
     traced_batches: int
+    keyed_rows: bool = False
 
     @classmethod
-    def build(cls, moe: MoEConfig, seed: int, n_layers: int, traced_batches: int, trace_routing: bool) -> ExpertTerms:
+    def build(cls, moe: MoEConfig, seed: int, n_layers: int, traced_batches: int, trace_routing: bool,
+              keyed_rows: bool = False) -> ExpertTerms:
         traced_units = n_layers // moe.every if trace_routing and moe.experts else 0
-        return cls(moe, seed, traced_units, traced_batches)
+        return cls(moe, seed, traced_units, traced_batches, keyed_rows)
 
     def row_inputs(self, step: jax.Array, rows: int, replay_BULE: jax.Array | None):
-        """(a routing-noise PRNG key per row, or None; the routing trace, or None). The keys fold in the
-        step and the row's index, so they do not depend on which device or microbatch holds the row."""
+        """(a PRNG key per row for routing noise and the adapters' dropout, or None; the routing trace, or
+        None). The keys fold in the step and the row's index, so they do not depend on which device or
+        microbatch holds the row."""
         noise_B = None
-        if self.moe.experts and self.moe.noise and self.moe.chooses_top_k:
+        if self.keyed_rows or (self.moe.experts and self.moe.noise and self.moe.chooses_top_k):
             step_key = jax.random.fold_in(jax.random.PRNGKey(self.seed), step)  # the same on every layout
             noise_B = row_keys(step_key, rows)
         if self.traced_units == 0:

@@ -23,7 +23,7 @@ from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.model.adapters import read_as, trainable, with_frozen, zero_grad
 from jaxpar.model.axes import layout_hooks
-from jaxpar.model.moe_step import ExpertTerms, routing_stats, row_keys
+from jaxpar.model.moe_step import ExpertTerms, routing_stats
 from jaxpar.model.protocol import is_block_model
 from jaxpar.model.routing_trace import RoutingTrace
 from jaxpar.model.segments import Segments
@@ -293,7 +293,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     taken on the weights one step old (state.stale_params) and applied to the current ones."""
     t = cfg.train
     experts = ExpertTerms.build(cfg.model.moe, t.seed, cfg.model.n_layers,
-                                layout.manual_batch_ways * pipeline.microbatches(t.grad_accum), trace_routing)
+                                layout.manual_batch_ways * pipeline.microbatches(t.grad_accum), trace_routing,
+                                keyed_rows=cfg.model.lora.dropout > 0)
     grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision, experts)
     prepare = _preparation(graphdef, cfg, layout, pipeline, precision)
     checks_finite = precision.loss_scaling or t.on_nonfinite == "skip"
@@ -301,8 +302,6 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     def train_step(state: TrainState, batch, replay_BULE: jax.Array | None = None):
         batch, scale = prepare(state.params, in_device_order(PackedRows.of(batch), layout)), state.loss_scale.scale
         noise_B, routing = experts.row_inputs(state.step, batch.tokens_BT.shape[0], replay_BULE)
-        if noise_B is None and cfg.model.lora.dropout:  # the adapters' dropout draws from a key per row too
-            noise_B = row_keys(jax.random.fold_in(jax.random.PRNGKey(t.seed), state.step), batch.tokens_BT.shape[0])
         grad_params = state.stale_params if pipeline.stale_weights else state.params
         stats, grads = gradients(layout, grad_fn, grad_params, (batch, RowInputs(noise_B, batch.segments(), routing)),
                                  scale)
