@@ -52,10 +52,9 @@ def check_round_trip(w, codes, scales, deq, kind, axis, book):
     block's error is within half the book's largest gap times the stored (bf16) scale."""
     codes, deq = np.asarray(codes), np.asarray(deq)
     scales = np.asarray(scales).astype(np.float32)
-    code_struct, scale_struct = q.stored_shapes(w.shape, kind, axis)
-    assert (codes.shape, codes.dtype) == (code_struct.shape, code_struct.dtype)
-    assert scales.shape == scale_struct.shape
     axis %= w.ndim
+    assert (codes.shape, codes.dtype) == (w.shape, {"nf4": jnp.uint4, "int8": jnp.int8}[kind])
+    assert scales.shape == w.shape[:axis] + (w.shape[axis] // 64,) + w.shape[axis + 1:]
     offset = 127 if kind == "int8" else 0  # int8 codes are signed: code c is book[c + 127]
     w_b, codes_b, deq_b = blocks(w, axis), blocks(codes, axis).astype(np.int64) + offset, blocks(deq, axis)
     scale_b = np.moveaxis(scales, axis, -1)[..., None]  # (..., n_blocks, 1)
@@ -118,24 +117,11 @@ def test_bad_axis_or_kind_is_refused():
     with pytest.raises(ValueError, match="multiple of the block size"):
         q.quantize(jnp.ones((96, 100)), "nf4", 1)
     with pytest.raises(ValueError, match="multiple of the block size"):
-        q.stored_shapes((96, 100), "int8", -1)
+        q.packed_shape((96, 100), "int8", -1)
     with pytest.raises(ValueError, match="out of range"):
-        q.stored_shapes((64, 64), "nf4", 2)
+        q.packed_shape((64, 64), "nf4", 2)
     with pytest.raises(ValueError, match="kind"):
         q.quantize(jnp.ones((64, 64)), "fp8", 0)
-
-
-@pytest.mark.parametrize("kind, limit", [("nf4", 0.55), ("int8", 1.05)])
-def test_xla_counts_the_stored_bytes(kind, limit):
-    """The bytes XLA's memory analysis counts for a (1024, 4096) weight's codes and scales as arguments:
-    uint4 codes are counted packed, two to a byte."""
-    codes, scales = q.stored_shapes((1024, 4096), kind, 1)
-    assert scales.shape == (1024, 64) and scales.dtype == jnp.bfloat16
-    total = jax.jit(lambda c, s: c.astype(jnp.float32).sum() + s.astype(jnp.float32).sum())
-    argument_bytes = total.lower(codes, scales).compile().memory_analysis().argument_size_in_bytes
-    per_parameter = argument_bytes / (1024 * 4096)
-    assert per_parameter <= limit
-    assert per_parameter == q.bytes_per_parameter(kind)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
@@ -177,14 +163,14 @@ def test_pack_holds_codes_and_scales_in_one_array(kind, shape, axis):
     np.testing.assert_array_equal(block_words[..., 0] & (0xF if kind == "nf4" else 0xFF), first)
 
 
-@pytest.mark.parametrize("kind, words", [("nf4", 17), ("int8", 33)])
-def test_xla_counts_the_packed_bytes(kind, words):
+@pytest.mark.parametrize("kind, words, limit", [("nf4", 17, 0.55), ("int8", 33, 1.05)])
+def test_xla_counts_the_packed_bytes(kind, words, limit):
     """34 bytes a block of 64 for nf4, 66 for int8: the bytes of codes and scales apart, counted exactly."""
     assert q.words_per_block(kind) == words
     packed = jax.ShapeDtypeStruct(q.packed_shape((1024, 4096), kind, 1), jnp.uint16)
     total = jax.jit(lambda p: q.unpack(p, kind, 1, jnp.float32).sum())
     argument_bytes = total.lower(packed).compile().memory_analysis().argument_size_in_bytes
-    assert argument_bytes / (1024 * 4096) == q.bytes_per_parameter(kind)
+    assert argument_bytes / (1024 * 4096) == q.bytes_per_parameter(kind) <= limit
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])

@@ -5,9 +5,8 @@ shape and the scales have it with that axis divided by BLOCK, so both have the w
 logical axis names: jaxpar's sharding rules, one name per dimension, apply to them unchanged, and a layer
 dequantizes only its own shard just before its matmul.
 
-Storage, measured with XLA's `compiled.memory_analysis()` on the CPU backend: jnp.uint4 arrays are counted
-packed, two codes to a byte (a (4096, 4096) uint4 argument is 8 MiB). Scales are bfloat16: NF4 costs
-0.5 + 2/64 = 0.53125 bytes per parameter, int8 1 + 2/64 = 1.03125.
+Codes are 4 bits (nf4) or 8 (int8) and scales bfloat16: NF4 costs 0.5 + 2/64 = 0.53125 bytes per parameter,
+int8 1 + 2/64 = 1.03125, as XLA's `compiled.memory_analysis()` counts the packed form below.
 
 A frozen weight is one variable (jaxpar.model.adapters.Frozen), so `pack` puts codes and scales in one
 uint16 array of the weight's rank: along the blocked axis each block of 64 becomes its codes packed into
@@ -100,19 +99,9 @@ def _look_up(indices: jax.Array, book: np.ndarray) -> jax.Array:
     return jnp.asarray(book)[indices]
 
 
-def stored_shapes(shape, kind: str, axis: int) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    """The (codes, scales) that quantize would return for a weight of `shape`, without computing them."""
-    _check_kind(kind)
-    shape = tuple(shape)
-    axis = _blocked_axis(shape, axis)
-    scales_shape = shape[:axis] + (shape[axis] // BLOCK,) + shape[axis + 1:]
-    return jax.ShapeDtypeStruct(shape, CODE_DTYPES[kind]), jax.ShapeDtypeStruct(scales_shape, SCALE_DTYPE)
-
-
 def bytes_per_parameter(kind: str) -> float:
-    """Storage per weight element, its share of the block's scale included, from the stored dtypes' widths."""
-    _check_kind(kind)
-    return (_bits(CODE_DTYPES[kind]) + _bits(SCALE_DTYPE) / BLOCK) / 8
+    """Storage per weight element, its share of the block's scale included: what `pack` stores a block in."""
+    return words_per_block(kind) * jnp.dtype(WORD).itemsize / BLOCK
 
 
 def round_trip_error_bound(kind: str) -> float:
@@ -210,7 +199,3 @@ def _round_up_to_bf16(absmax: jax.Array) -> jax.Array:
     above = jnp.nextafter(scale, jnp.asarray(jnp.inf, SCALE_DTYPE))
     return jnp.where(scale.astype(jnp.float32) < absmax, above, scale)
 
-
-def _bits(dtype) -> int:
-    dtype = jnp.dtype(dtype)
-    return jnp.finfo(dtype).bits if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).bits
