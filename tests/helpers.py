@@ -93,3 +93,37 @@ def train_at_level_1(run_dir: Path, *overrides: str) -> tuple[int, str]:
     steps); returns the exit code and stderr."""
     done = run_jaxpar_at_level_1("train", "--no-progress", *BASE, f"run.dir={run_dir}", *overrides)
     return done.returncode, done.stderr
+
+
+def steps_on_random_tokens(trainer, state, steps: int, seed: int = 0):
+    """`steps` steps of `trainer` from `state` on random token rows (train.batch_size x seq_len + 1):
+    (the state, the last step's metrics)."""
+    import numpy as np
+
+    rng, cfg = np.random.default_rng(seed), trainer.cfg
+    for _ in range(steps):
+        tokens = rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.seq_len + 1), dtype=np.int32)
+        state, metrics = trainer.step(state, trainer.put_batch(tokens))
+    return state, metrics
+
+
+def frozen_leaves(params) -> dict:
+    """Every Frozen weight of a state by path (model.lora): (its stored integers on the host, its metadata)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxpar.model.adapters import Frozen
+
+    return {path: (np.asarray(jax.device_get(v.get_value())), v.get_metadata())
+            for path, v in nnx.to_flat_state(params) if isinstance(v, Frozen)}
+
+
+def tokenizer_with_template(tokenizer_json: Path, folder: Path, template: str | None) -> Path:
+    """A tokenizer folder `folder` holding `tokenizer_json`, with `template` as its tokenizer_config.json's
+    chat_template (None: no template)."""
+    folder.mkdir()
+    shutil.copy(tokenizer_json, folder / "tokenizer.json")
+    if template:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return folder

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import SMALL_MODEL, resumed_run_matches
+from helpers import SMALL_MODEL, frozen_leaves, resumed_run_matches, steps_on_random_tokens
 
 from jaxpar.cli import main
 from jaxpar.model.adapters import Frozen, decode
@@ -38,11 +38,6 @@ def test_adapters_match_single_device(layout, session_for):
     assert result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4
 
 
-def _frozen_bits(params) -> dict:
-    flat = nnx.to_flat_state(params)
-    return {path: np.asarray(jax.device_get(v.get_value())) for path, v in flat if isinstance(v, Frozen)}
-
-
 def test_base_weights_stay_bit_for_bit_and_hold_no_optimizer_state(session_for):
     """20 steps on a Hugging Face checkpoint: its weights come out as they went in, and the optimizer
     state is AdamW's two moments of the adapters alone."""
@@ -50,12 +45,9 @@ def test_base_weights_stay_bit_for_bit_and_hold_no_optimizer_state(session_for):
     trainer = Trainer(session_for(f"model.from_hf={LLAMA}", "model.lora.rank=4", "mesh.data=4", "mesh.tensor=2",
                                   "parallel.zero=3", "train.batch_size=8", "model.seq_len=32"))
     state = trainer.init()
-    before = _frozen_bits(state.params)
-    rng = np.random.default_rng(0)
-    for _ in range(20):
-        tokens = rng.integers(0, trainer.cfg.model.vocab_size, (8, 33), dtype=np.int32)
-        state, metrics = trainer.step(state, trainer.put_batch(tokens))
-    after = _frozen_bits(state.params)
+    before = {path: bits for path, (bits, _) in frozen_leaves(state.params).items()}
+    state, metrics = steps_on_random_tokens(trainer, state, 20)
+    after = {path: bits for path, (bits, _) in frozen_leaves(state.params).items()}
     assert before.keys() == after.keys() and len(before) > 0
     for path in before:
         assert before[path].dtype.kind == "u" and np.array_equal(before[path], after[path]), path

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import SMALL_MODEL
+from helpers import SMALL_MODEL, tokenizer_with_template
 
 from jaxpar.config.precision import POLICIES
 from jaxpar.config.presets import load_config
@@ -353,16 +353,11 @@ def test_chats_put_the_assistant_messages_alone_in_the_loss(template, sft_folder
     """--chat renders each conversation with the tokenizer's template (else `role: content` lines), and
     the loss mask covers exactly the assistant's messages (and the end token)."""
     import json
-    import shutil
 
     from jaxpar.data.token_folder import TextCodec
     from jaxpar.data.tokenize import tokenize
 
-    tokenizer = tmp_path / "tokenizer"
-    tokenizer.mkdir()
-    shutil.copy(sft_folder / "tokenizer.json", tokenizer / "tokenizer.json")
-    if template:
-        (tokenizer / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tokenizer = tokenizer_with_template(sft_folder / "tokenizer.json", tmp_path / "tokenizer", template)
     chat = [{"role": "user", "content": "key abc ->"}, {"role": "assistant", "content": " xyz."},
             {"role": "user", "content": "and def?"}, {"role": "assistant", "content": " uvw."}]
     (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n")

@@ -4,11 +4,11 @@ pair whole (chosen at an even document id), the train/validation split falls bet
 longer than a row is left out with a warning, and every bad input ends in one sentence."""
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tokenizer_with_template
 
 from jaxpar.cli import main
 from jaxpar.config.presets import load_config
@@ -81,11 +81,7 @@ def test_each_record_is_a_chosen_then_a_rejected_document(folder):
 def test_conversations_count_only_their_last_response(template, folder, tmp_path, capsys):
     """--preference --chat (fields 'chosen' and 'rejected' by default): an earlier assistant message is
     prompt; only the last one, the response the two conversations differ in, is counted."""
-    tokenizer = tmp_path / "tokenizer"
-    tokenizer.mkdir()
-    shutil.copy(folder / "tokenizer.json", tokenizer / "tokenizer.json")
-    if template:
-        (tokenizer / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tokenizer = tokenizer_with_template(folder / "tokenizer.json", tmp_path / "tokenizer", template)
     prompt = [{"role": "user", "content": "key abc ->"}, {"role": "assistant", "content": " xyz."},
               {"role": "user", "content": "and def?"}]
     row = {"chosen": prompt + [{"role": "assistant", "content": " uvw."}],

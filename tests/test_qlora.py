@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import frozen_leaves, steps_on_random_tokens
 
 from jaxpar.cli import main
 from jaxpar.config.presets import load_config
@@ -23,12 +24,6 @@ from jaxpar.train.verify import verify
 MODEL = ("model.d_model=256", "model.d_ff=256", "model.seq_len=32", "model.n_layers=2", "model.mlp=swiglu",
          "model.lora.rank=4", "train.batch_size=8")
 ZERO3 = ("mesh.data=4", "mesh.tensor=2", "parallel.zero=3")
-
-
-def frozen_leaves(params) -> dict:
-    """Every Frozen leaf by path: (its stored integers on the host, its metadata)."""
-    return {path: (np.asarray(jax.device_get(v.get_value())), v.get_metadata())
-            for path, v in nnx.to_flat_state(params) if isinstance(v, Frozen)}
 
 
 def hand_made(w: np.ndarray, name: str, kind: str, axis: int | None) -> np.ndarray:
@@ -101,10 +96,7 @@ def test_a_checkpoint_is_quantized_as_read_and_stays_bit_for_bit(session_for, tm
                                   "model.lora.base_dtype=nf4", "train.batch_size=8", *ZERO3))
     state = trainer.init()
     before = frozen_leaves(state.params)
-    rng = np.random.default_rng(0)
-    for _ in range(3):
-        tokens = rng.integers(0, trainer.cfg.model.vocab_size, (8, 33), dtype=np.int32)
-        state, metrics = trainer.step(state, trainer.put_batch(tokens))
+    state, metrics = steps_on_random_tokens(trainer, state, 3)
     assert float(metrics["grad_norm"]) > 0
     after = frozen_leaves(state.params)
     assert {"w_q", "w_kv", "wo", "w_gate_up", "w_down"} <= {path[-1] for path, (_, m) in after.items()
