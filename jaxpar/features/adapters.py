@@ -45,7 +45,7 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
     if lora.base_dtype in ("int8", "nf4") and cfg.model.d_model % 64:
         yield (f"model.lora.base_dtype={lora.base_dtype} quantizes blocks of 64 along d_model, so model.d_model "
                f"must be a multiple of 64, not {cfg.model.d_model}.")
-    yield from _not_yet(cfg)
+    yield from _not_yet(cfg, sizes)
 
 
 def _targets(cfg: Config) -> Checks:
@@ -62,10 +62,10 @@ def _targets(cfg: Config) -> Checks:
                    f"a rank above it adds nothing a full update would not.")
 
 
-def _not_yet(cfg: Config) -> Checks:
+def _not_yet(cfg: Config, sizes: dict[str, int]) -> Checks:
     """Combinations whose state or step the adapters have not been verified with."""
     t, p = cfg.train, cfg.parallel
-    if p.pipeline.schedule in ("zb-h1", "zbv"):
+    if sizes["stage"] > 1 and p.pipeline.schedule in ("zb-h1", "zbv"):  # (a schedule matters only over stages)
         yield (f"model.lora does not run with parallel.pipeline.schedule={p.pipeline.schedule} yet; use 1f1b, "
                f"interleaved, 2bw or gpipe.")
     if t.offloads_optimizer or p.sync_every > 1:
