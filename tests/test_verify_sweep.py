@@ -28,6 +28,8 @@ CHOICES = {
     "model.attention": ["dot", "flash"],
     "model.n_kv_heads": ["0", "2"],
 }
+# adapters on every default target, the base frozen (drawn apart, so the other switches' draws stay as they were)
+ADAPTERS = {"model.lora.rank": ["4", "8"], "model.lora.base_dtype": ["fp32", "nf4"], "model.lora.dropout": ["0", "0.1"]}
 EXPERTS = {  # a mixture of experts in most draws
     "model.moe.router": ["topk", "switch", "expert_choice", "dropless"],
     "model.moe.shared": ["0", "1"],
@@ -48,6 +50,9 @@ def draw(index: int) -> list[str]:
         overrides += [f"{key}={values[rng.integers(len(values))]}" for key, values in EXPERTS.items()]
         if "model.moe.router=dropless" in overrides or "model.moe.router=topk" in overrides:
             overrides.append(f"model.moe.balance={['aux', 'bias'][rng.integers(2)]}")
+    adapters = np.random.default_rng(2000 + index)
+    if adapters.random() < 0.5:
+        overrides += [f"{key}={values[adapters.integers(len(values))]}" for key, values in ADAPTERS.items()]
     return overrides
 
 
