@@ -219,12 +219,23 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxpar.train.generate import generate
+    from jaxpar.sampling.choice import Sampling
+    from jaxpar.train.generate import check_flags, generate
 
-    result = generate(args.source, args.prompt, args.tokens, args.temperature, args.seed, args.step)
-    print(result["text"])
-    print(f"{result['new_tokens']} new tokens after {result['prompt_tokens']} of prompt, "
-          f"{result['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    check_flags(args)
+    if args.prompts is None:
+        result = generate(args.source, args.prompt, args.tokens, args.temperature, args.seed, args.step)
+        print(result["text"])
+        print(f"{result['new_tokens']} new tokens after {result['prompt_tokens']} of prompt, "
+              f"{result['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+        return 0
+    from jaxpar.sampling.from_files import Request, generate_file
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    request = Request(args.prompts, args.out, args.batch, args.tokens, sampling, args.step)
+    result = generate_file(args.source, request, args.settings, progress=not args.no_progress)
+    print(f"{result['prompts']} completions ({result['new_tokens']} new tokens) in {result['out']}, "
+          f"{result['tokens_per_s']:.1f} tokens/s on {result['layout']}", file=sys.stderr)
     return 0
 
 
@@ -350,19 +361,35 @@ def _add_open_weights(sub) -> None:
                                                     "(key/value cache; greedy or sampled)")
     p.add_argument("source", metavar="RUN_DIR|HF_DIR", help="a run's folder (its newest checkpoint) or a Hugging Face "
                                                            "checkpoint folder")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="with --prompts: the layout, as for train "
+                   "(mesh.data=4 mesh.tensor=2, parallel.zero=3, train.precision=bf16)")
+    p.add_argument("--prompt", help="the text to continue (one prompt, on one device)")
+    p.add_argument("--prompts", metavar="FILE.jsonl", help="a file of prompts, one JSON record a line with a 'prompt' "
+                   "field, continued in batches on the mesh; needs --out")
+    p.add_argument("--out", metavar="FILE.jsonl", help="with --prompts: where the completions go (the prompt's record "
+                   "with completion, new_tokens and stopped)")
+    p.add_argument("--batch", type=int, default=8, help="with --prompts: rows a batch (default 8)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample from "
                                                                   "softmax(logits / temperature)")
+    p.add_argument("--top-k", type=int, default=0, help="with --prompts: sample from the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --prompts: sample from the fewest likeliest tokens "
+                   "whose probability reaches p (1: all)")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed")
     p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxpar` console script."""
     from jaxpar.runtime import distributed
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "settings", None) is not None and all("=" in a and a[0] != "-" for a in extra):
+        args.settings = [*args.settings, *extra]  # key=value overrides after the options
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         code = args.run(args)
     except UserError as e:

@@ -101,13 +101,13 @@ class Attention(nnx.Module):
 
     def decode(self, x_BLD: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """The next L positions with a key/value cache: their keys and values are written into the
-        cache at cache.length, and their queries attend to every cached position up to their own."""
-        positions_L = cache.length + jnp.arange(x_BLD.shape[1])
-        q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD, positions_L)
+        cache at cache.length, and their queries attend to every cached position of their row from the
+        row's first (cache.starts_B: a left-padded prompt's) up to their own."""
+        slots_L = cache.length + jnp.arange(x_BLD.shape[1])
+        q_BLHK, k_BLGK, v_BLGK = self.project(x_BLD, cache.positions_BL(x_BLD.shape[1]))
         cache = cache.append(k_BLGK, v_BLGK)
         k_BPHK, v_BPHK = (repeat_kv_heads(t, q_BLHK.shape[2]) for t in (cache.k_BPGK, cache.v_BPGK))
-        visible_LP = jnp.arange(k_BPHK.shape[1])[None, :] <= positions_L[:, None]
-        return self.output(dot_attention(q_BLHK, k_BPHK, v_BPHK, visible_LP)), cache
+        return self.output(dot_attention(q_BLHK, k_BPHK, v_BPHK, cache.visible_B1LP(slots_L))), cache
 
     def output(self, out_BLHK: jax.Array, keys_B: jax.Array | None = None) -> jax.Array:
         """The heads' outputs through the output projection, into the residual stream."""
@@ -153,23 +153,39 @@ class Attention(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """One attention layer's keys and values for P positions (B, P, G, K), of which the first
-    `length` are filled."""
+    """One attention layer's keys and values for B rows of P slots (B, P, G, K), of which the first
+    `length` are filled. Row b's sequence starts at slot starts_B[b] (a prompt left-padded to the
+    batch's longest): the slots before it are padding that no query of the row sees, and slot s holds
+    the row's position s - starts_B[b]."""
 
     k_BPGK: jax.Array
     v_BPGK: jax.Array
     length: jax.Array
+    starts_B: jax.Array
 
     @staticmethod
-    def empty(batch: int, positions: int, cfg: ModelConfig, dtype) -> KVCache:
+    def empty(batch: int, positions: int, cfg: ModelConfig, dtype, starts_B: jax.Array | None = None) -> KVCache:
         shape = (batch, positions, cfg.kv_heads, cfg.head_size)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+        starts_B = jnp.zeros((batch,), jnp.int32) if starts_B is None else jnp.asarray(starts_B, jnp.int32)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32), starts_B)
+
+    def positions_BL(self, new: int) -> jax.Array:
+        """The positions of the next `new` slots in each row (0 for a padding slot, which nothing reads)."""
+        return jnp.maximum(self.length + jnp.arange(new)[None, :] - self.starts_B[:, None], 0)
+
+    def visible_B1LP(self, slots_L: jax.Array) -> jax.Array:
+        """Which slots each query slot sees: its row's from the row's start up to its own; a padding
+        query sees itself alone (its output is never read, but must stay finite)."""
+        slot_P = jnp.arange(self.k_BPGK.shape[1])
+        in_row_BLP = (slot_P[None, None, :] >= self.starts_B[:, None, None]) & (slot_P <= slots_L[:, None])[None]
+        return (in_row_BLP | (slot_P == slots_L[:, None])[None])[:, None]
 
     def append(self, k_BLGK: jax.Array, v_BLGK: jax.Array) -> KVCache:
-        at = (0, self.length, 0, 0)
-        return KVCache(jax.lax.dynamic_update_slice(self.k_BPGK, k_BLGK.astype(self.k_BPGK.dtype), at),
-                       jax.lax.dynamic_update_slice(self.v_BPGK, v_BLGK.astype(self.v_BPGK.dtype), at),
-                       self.length + k_BLGK.shape[1])
+        at, names = (0, self.length, 0, 0), ("batch", None, "kv_heads", "kv")
+        k_BPGK = jax.lax.dynamic_update_slice(self.k_BPGK, k_BLGK.astype(self.k_BPGK.dtype), at)
+        v_BPGK = jax.lax.dynamic_update_slice(self.v_BPGK, v_BLGK.astype(self.v_BPGK.dtype), at)
+        return KVCache(constrain(k_BPGK, names), constrain(v_BPGK, names), self.length + k_BLGK.shape[1],
+                       self.starts_B)
 
 
 def attention_kernel(choice: str, dtype, seq_len: int, flash_blocks: tuple[int, int]) -> str:

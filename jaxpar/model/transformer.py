@@ -152,7 +152,7 @@ class Transformer(nnx.Module):
     def decode(self, tokens_BL: jax.Array, caches) -> tuple[jax.Array, object]:
         """Logits (B, L, V) of the next L tokens, given the key/value caches of what came before
         (`empty_caches`), and the caches with these tokens added."""
-        x_BLD = self.embed(tokens_BL, _cache_length(caches))
+        x_BLD = self.embed(tokens_BL, _first_cache(caches).positions_BL(tokens_BL.shape[1]))
         graphdef, stacked = nnx.split(self.blocks)
 
         def one_unit(x_BLD, unit):
@@ -163,10 +163,11 @@ class Transformer(nnx.Module):
         x_BLD, caches = jax.lax.scan(one_unit, x_BLD, (stacked, caches))
         return self.logits(x_BLD), caches
 
-    def empty_caches(self, cfg: ModelConfig, batch: int, positions: int, dtype=jnp.float32):
-        """Key/value caches for `positions` positions, stacked like the layers: a KVCache per block,
-        a tuple of them per unit of an MoE model."""
-        one = KVCache.empty(batch, positions, cfg, dtype)
+    def empty_caches(self, cfg: ModelConfig, batch: int, positions: int, dtype=jnp.float32,
+                     starts_B: jax.Array | None = None):
+        """Key/value caches for `positions` slots, stacked like the layers: a KVCache per block, a tuple
+        of them per unit of an MoE model. starts_B: each row's first slot (left-padded prompts; 0)."""
+        one = KVCache.empty(batch, positions, cfg, dtype, starts_B)
         units = self.stacked_layers()
         stack = lambda cache: jax.tree.map(lambda a: jnp.broadcast_to(a, (units, *a.shape)), cache)  # noqa: E731
         if isinstance(self.blocks, MoEUnit):
@@ -209,10 +210,10 @@ def plain_scan(one_layer: Callable, x_BLD: jax.Array, stacked, layer_ids: jax.Ar
     return jax.lax.scan(lambda x, layer: one_layer(x, *layer), x_BLD, (stacked, layer_ids))
 
 
-def _cache_length(caches) -> jax.Array:
-    """How many positions the caches hold already (the same in every layer)."""
+def _first_cache(caches) -> KVCache:
+    """The first layer's cache (every layer's holds as many positions, from the same starts)."""
     first = caches[0] if isinstance(caches, tuple) else caches
-    return first.length[0]
+    return jax.tree.map(lambda a: a[0], first)
 
 
 def stacked_layers(stacked) -> int:

@@ -17,7 +17,7 @@ from jaxpar.errors import UserError
 MAX_TEMPERATURE = 100.0
 
 
-def _stop_ids(folder: Path | None) -> frozenset[int]:
+def stop_ids(folder: Path | None) -> frozenset[int]:
     """The end-of-sequence ids a checkpoint names (config.json, generation_config.json), if any."""
     ids: set[int] = set()
     for name in ("config.json", "generation_config.json"):
@@ -31,7 +31,22 @@ def _stop_ids(folder: Path | None) -> frozenset[int]:
     return frozenset(ids)
 
 
-def check_flags(tokens: int, temperature: float) -> None:
+def check_flags(args) -> None:
+    """One sentence for flags that do not go together or are out of range (before anything loads)."""
+    if (args.prompt is None) == (args.prompts is None):
+        raise UserError("give either --prompt TEXT or --prompts FILE.jsonl (with --out).")
+    if args.prompts is not None and not args.out:
+        raise UserError("--prompts needs --out FILE.jsonl, where the completions go.")
+    if args.prompt is not None and (args.settings or args.top_k or args.top_p != 1):
+        raise UserError("--top-k, --top-p and key=value overrides go with --prompts (batched generation).")
+    _check_numbers(args.tokens, args.temperature)
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}.")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be 0 (the whole vocabulary) or more, got {args.top_k}.")
+
+
+def _check_numbers(tokens: int, temperature: float) -> None:
     if tokens < 1:
         raise UserError(f"--tokens must be at least 1, got {tokens}.")
     if not 0 <= temperature <= MAX_TEMPERATURE:
@@ -50,7 +65,7 @@ def generate(source: str, prompt: str, tokens: int, temperature: float = 0.0, se
     from jaxpar.train.sample import generate_ids
     from jaxpar.train.saved_run import SavedRun
 
-    check_flags(tokens, temperature)
+    _check_numbers(tokens, temperature)
     folder = Path(source)
     if (folder / "config.json").is_file():
         model, cfg = hf.load(folder)
@@ -81,7 +96,7 @@ def generate(source: str, prompt: str, tokens: int, temperature: float = 0.0, se
         raise UserError(f"the model has learned positions for {cfg.model.seq_len} tokens; the prompt's "
                         f"{len(prompt_ids)} plus --tokens {tokens} do not fit.")
     start = time.perf_counter()
-    ids = generate_ids(graphdef, params, cfg.model, prompt_ids, tokens, temperature, seed, _stop_ids(where))
+    ids = generate_ids(graphdef, params, cfg.model, prompt_ids, tokens, temperature, seed, stop_ids(where))
     seconds = time.perf_counter() - start
     new = len(ids) - len(prompt_ids)
     return {"text": codec.decode(ids), "prompt_tokens": len(prompt_ids), "new_tokens": new,
