@@ -17,6 +17,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxpar.config import Config, apply_overrides
+from jaxpar.config.mesh import resolve_mesh
 from jaxpar.config.presets import load_config, parse_override
 from jaxpar.data.token_folder import TextCodec, tokenizer_folder
 from jaxpar.errors import UserError
@@ -93,11 +94,13 @@ def generate_file(source: str, request: Request, settings: list[str] = (), progr
     tokenizer = origin if origin is not None and (origin / "tokenizer.json").is_file() else None
     codec = TextCodec(tokenizer_folder(cfg.data, str(tokenizer or "")))
     prompts = [codec.encode(r[PROMPT_FIELD]) for r in records]
-    session = on_devices(cfg, setup_devices(cfg))
+    devices = setup_devices(cfg)
+    sizes = resolve_mesh(cfg.mesh, len(devices))
+    if request.batch % (sizes["data"] * sizes["expert"]):
+        raise UserError(f"--batch {request.batch} must split evenly over the mesh's rows (mesh.data x mesh.expert "
+                        f"= {sizes['data']} x {sizes['expert']}).")
+    session = on_devices(cfg, devices)
     trainer = Trainer(session)
-    if request.batch % trainer.layout.batch_ways:
-        raise UserError(f"--batch {request.batch} must split evenly over the {trainer.layout.batch_ways} ways the "
-                        f"mesh splits rows.")
     params = _weights(trainer, saved)
     shape = Shape(request.batch, max(len(p) for p in prompts), request.tokens)
     generator = BatchedGenerator(trainer.graphdef, cfg.model, session.precision, shape, request.sampling,
