@@ -56,7 +56,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if distributed.is_secondary():
         return 0  # process 0 reports for the whole run
-    if summary["final_loss"] is not None:
+    if "final_reward" in summary:  # GRPO: the reward is the measure, and no windows are held out
+        print(f"\nmean reward {summary['final_reward']:.3f} at the last step (first step "
+              f"{summary['first_reward']:.3f}), sampling {summary['generate_share']:.0%} of the time, "
+              f"{describe(summary['goodput'])}")
+    elif summary["final_loss"] is not None:
         mfu = "" if summary.get("mfu") is None else f", MFU {summary['mfu']:.1%} ({summary['peak_source']})"
         print(f"\nfinal train loss {summary['final_loss']:.4f} (first step {summary['first_loss']:.4f}), "
               f"validation loss {summary['val_loss']:.4f}, {summary['tokens_per_s_median']:.0f} tokens/s (median)"
@@ -300,7 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add_command(sub, "tokenize", cmd_tokenize, "train a byte-level BPE tokenizer (or apply one) and write token "
                                                     "shards for data.source")
     command_flags.add_tokenize_flags(p)
-    _add_open_weights(sub)
+    export_hf = _add_command(sub, "export-hf", cmd_export_hf, "write a run's checkpoint as a Hugging Face checkpoint "
+                             "(config.json, safetensors, tokenizer)")
+    command_flags.add_export_flags(export_hf)
+    command_flags.add_generate_flags(_add_command(sub, "generate", cmd_generate, "continue prompts with a trained or "
+                                                  "imported model (key/value cache; greedy or sampled)"))
     p = _add_command(sub, "launch", cmd_launch, "run a jaxpar command as N local processes of one distributed run",
                      usage=f"jaxpar launch --processes N [--devices-per-process K] -- "
                            f"{'|'.join(command_flags.LAUNCHABLE_COMMANDS)} ...")
@@ -341,43 +349,6 @@ def _add_plan(sub) -> None:
                    help="processes compiling layouts at once "
                         f"(default 0: one per core, at most {MAX_SEARCH_PROCESSES})")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --search")
-
-
-def _add_open_weights(sub) -> None:
-    """`jaxpar export-hf` and `jaxpar generate`."""
-    p = _add_command(sub, "export-hf", cmd_export_hf, "write a run's checkpoint as a Hugging Face checkpoint "
-                                                      "(config.json, safetensors, tokenizer)")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (run.dir)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
-    p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="dtype of the written weights (default bf16)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.add_argument("--adapter", action="store_true", help="a run with LoRA adapters: write the adapters alone, "
-                   "as peft stores them (adapter_config.json, adapter_model.safetensors)")
-    p.add_argument("--merge", action="store_true", help="a run with LoRA adapters: write full weights with the "
-                   "adapters merged in")
-    p = _add_command(sub, "generate", cmd_generate, "continue a prompt with a trained or imported model "
-                                                    "(key/value cache; greedy or sampled)")
-    p.add_argument("source", metavar="RUN_DIR|HF_DIR", help="a run's folder (its newest checkpoint) or a Hugging Face "
-                                                           "checkpoint folder")
-    p.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="with --prompts: the layout, as for train "
-                   "(mesh.data=4 mesh.tensor=2, parallel.zero=3, train.precision=bf16)")
-    p.add_argument("--prompt", help="the text to continue (one prompt, on one device)")
-    p.add_argument("--prompts", metavar="FILE.jsonl", help="a file of prompts, one JSON record a line with a 'prompt' "
-                   "field, continued in batches on the mesh; needs --out")
-    p.add_argument("--out", metavar="FILE.jsonl", help="with --prompts: where the completions go (the prompt's record "
-                   "with completion, new_tokens and stopped)")
-    p.add_argument("--batch", type=int, default=8, help="with --prompts: rows a batch (default 8)")
-    p.add_argument("--tokens", type=int, default=64, help="new tokens at most (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample from "
-                                                                  "softmax(logits / temperature)")
-    p.add_argument("--top-k", type=int, default=0, help="with --prompts: sample from the k likeliest tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --prompts: sample from the fewest likeliest tokens "
-                   "whose probability reaches p (1: all)")
-    p.add_argument("--seed", type=int, default=0, help="the sampling seed")
-    p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def main(argv: list[str] | None = None) -> int:

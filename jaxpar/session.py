@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 from jaxpar.config import Config, precision
+from jaxpar.config.from_run import resolve_run
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.config.validation import validate
 from jaxpar.data.corpus import load_tokens, split_tokens
@@ -21,6 +23,8 @@ from jaxpar.errors import DataError
 from jaxpar.features import layout_name, with_derived
 from jaxpar.features.model import check_attention_platform
 from jaxpar.interop.hf_config import resolve as resolve_hf
+from jaxpar.rl.prompts import PromptSet
+from jaxpar.rl.rewards import Reward, load_reward
 from jaxpar.runtime.devices import make_mesh, setup_devices
 
 
@@ -40,6 +44,8 @@ class Session:
     @functools.cached_property
     def _samplers(self) -> tuple:
         m, t, d = self.cfg.model, self.cfg.train, self.cfg.data
+        if t.objective == "grpo":  # prompts, sampled and scored every step: no held-out windows
+            return PromptSet.load(self.cfg, self.codec), None
         check_preference_source(d, t.objective)  # pairs for a preference objective, and only for one
         if self.mixture:
             return mixture_samplers(self.mixture, d, m, t)
@@ -79,11 +85,21 @@ class Session:
 
         return open_checkpoint(self.cfg.model)
 
+    @property
+    def tokenizer(self) -> Path | None:
+        """The tokenizer's folder: the tokenized folder's, else model.from_hf's (None: bytes)."""
+        return tokenizer_folder(self.cfg.data, self.cfg.model.from_hf)
+
     @functools.cached_property
     def codec(self) -> TextCodec:
         """Text <-> token ids (prompts and samples): the tokenized folder's tokenizer, else model.from_hf's,
         else bytes."""
-        return TextCodec(tokenizer_folder(self.cfg.data, self.cfg.model.from_hf))
+        return TextCodec(self.tokenizer)
+
+    @functools.cached_property
+    def reward(self) -> Reward | None:
+        """train.objective=grpo's reward function (jaxpar.rl.rewards), imported and checked; else None."""
+        return load_reward(self.cfg.rl) if self.cfg.train.objective == "grpo" else None
 
     @property
     def train_data(self):
@@ -97,7 +113,7 @@ class Session:
 
 def on_devices(cfg: Config, devices: list) -> Session:
     """Validate `cfg` for `devices` (already set up) and derive its mesh; raises UserError."""
-    cfg = resolve_hf(cfg)  # a config built in Python (not by load_config) may name model.from_hf
+    cfg = resolve_hf(resolve_run(cfg))  # a config built in Python (not by load_config) may name model.from_hf
     sizes, split = validate(cfg, len(devices), len({d.process_index for d in devices}))
     check_attention_platform(cfg, devices[0].platform)
     return Session(with_derived(cfg, sizes), devices, sizes, split, make_mesh(sizes, devices, split))
@@ -109,4 +125,5 @@ def prepare(cfg: Config, devices: list | None = None) -> Session:
     session = on_devices(cfg, devices or setup_devices(cfg))
     session.train_data  # noqa: B018 (a missing or unreadable data.source is reported before compiling)
     session.hf_checkpoint  # noqa: B018 (so is a missing, cut-short or misshapen model.from_hf checkpoint)
+    session.reward  # noqa: B018 (and a GRPO reward that cannot be imported)
     return session

@@ -43,7 +43,7 @@ def objective_of():
             moe = dataclasses.replace(cfg.model.moe, z_loss_weight=z_weight)
             rows = RowInputs(row_keys(key, tokens.shape[0]))  # the step's per-row noise keys
             experts = ExpertTerms.build(moe, cfg.train.seed, cfg.model.n_layers, 1, trace_routing=False)
-            return objective(nnx.merge(graphdef, params), PackedRows.of(tokens), rows, cfg.train, experts)
+            return objective(nnx.merge(graphdef, params), PackedRows.of(tokens), rows, cfg, experts)
 
         jitted = jax.jit(run)
         fns[noise] = lambda key, z_weight=0.0, jitted=jitted: jax.tree.map(

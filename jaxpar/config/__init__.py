@@ -23,6 +23,7 @@ import yaml
 from jaxpar.config.adapters import LoRAConfig
 from jaxpar.config.moe import MoEConfig
 from jaxpar.config.preference import PreferenceConfig
+from jaxpar.config.rl import RLConfig
 from jaxpar.errors import ConfigError
 
 
@@ -64,6 +65,8 @@ class ModelConfig:
     # a Hugging Face checkpoint folder (config.json + *.safetensors): the shape comes from its config.json
     # and the first step starts from its weights
     from_hf: str = ""
+    # an earlier run's folder: the shape from its config and the first step from its newest checkpoint's weights
+    from_run: str = ""
     moe: MoEConfig = MoEConfig()
     lora: LoRAConfig = LoRAConfig()
 
@@ -135,8 +138,9 @@ class TrainConfig:
     # pinned host memory for the optimizer state (brought to the device for the update), full remat's layer inputs
     offload: Literal["none", "optimizer", "activations", "both"] = "none"
     loss_chunks: int = 1  # logits + loss in N strided chunks of the sequence (train/chunked_loss.py); 0: automatic
-    # what training minimizes: next-token cross-entropy (sft), or a preference loss on chosen/rejected pairs
-    objective: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
+    # what training minimizes: next-token cross-entropy (sft), a preference loss on chosen/rejected pairs, or
+    # GRPO's clipped policy objective on completions sampled every step and scored by rl.reward
+    objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"
     preference: PreferenceConfig = PreferenceConfig()
 
     @property
@@ -227,6 +231,7 @@ class Config:
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
+    rl: RLConfig = RLConfig()
 
     def replace(self, **sections) -> Config:
         """Return a copy with whole sections or dotted keys ('train.steps') replaced."""

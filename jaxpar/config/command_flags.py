@@ -1,4 +1,4 @@
-"""The flags of `jaxpar tokenize`, and the checks of `jaxpar schedule`'s and
+"""The flags of `jaxpar tokenize`, `jaxpar export-hf` and `jaxpar generate`, and the checks of `jaxpar schedule`'s and
 `jaxpar launch`'s, made before anything starts.
 
 Every failure is a ConfigError with one sentence saying what to change. Pure Python (no jax).
@@ -78,3 +78,39 @@ def add_tokenize_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
+
+def add_export_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxpar export-hf`'s flags."""
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (run.dir)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="dtype of the written weights (default bf16)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--adapter", action="store_true", help="a run with LoRA adapters: write the adapters alone, "
+                   "as peft stores them (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--merge", action="store_true", help="a run with LoRA adapters: write full weights with the "
+                   "adapters merged in")
+
+
+def add_generate_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxpar generate`'s flags: one prompt, or a file of them in batches on a mesh."""
+    p.add_argument("source", metavar="RUN_DIR|HF_DIR", help="a run's folder (its newest checkpoint) or a Hugging Face "
+                                                           "checkpoint folder")
+    p.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="with --prompts: the layout, as for train "
+                   "(mesh.data=4 mesh.tensor=2, parallel.zero=3, train.precision=bf16)")
+    p.add_argument("--prompt", help="the text to continue (one prompt, on one device)")
+    p.add_argument("--prompts", metavar="FILE.jsonl", help="a file of prompts, one JSON record a line with a 'prompt' "
+                   "field, continued in batches on the mesh; needs --out")
+    p.add_argument("--out", metavar="FILE.jsonl", help="with --prompts: where the completions go (the prompt's record "
+                   "with completion, new_tokens and stopped)")
+    p.add_argument("--batch", type=int, default=8, help="with --prompts: rows a batch (default 8)")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample from "
+                                                                  "softmax(logits / temperature)")
+    p.add_argument("--top-k", type=int, default=0, help="with --prompts: sample from the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --prompts: sample from the fewest likeliest tokens "
+                   "whose probability reaches p (1: all)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from jaxpar.config import Config, ConfigError, apply_overrides, flatten_dict, quoted
+from jaxpar.config.from_run import resolve_run
 from jaxpar.data.sources import mixture_text
 from jaxpar.interop.hf_config import resolve
 
@@ -83,4 +84,4 @@ def load_config(path: str | None = None, overrides: list[str] | dict | None = No
     if overrides:
         pairs = _mixture_as_text(dict(map(parse_override, overrides)) if isinstance(overrides, list) else overrides)
         cfg, given = apply_overrides(cfg, pairs), given | set(flatten_dict(pairs))
-    return resolve(cfg, given)
+    return resolve(resolve_run(cfg, given), given)

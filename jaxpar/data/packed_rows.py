@@ -36,7 +36,10 @@ class PackedRows:
     reference_BL: set by a DPO step: each target's log-probability under the reference model, in the
     targets' order (as targets_BL gives them).
     pair_weights_B: set by a preference step: each row's weight in the batch's mean over pairs
-    (jaxpar.train.preference.weighted_pairs)."""
+    (jaxpar.train.preference.weighted_pairs).
+    sampled_BL: set for a GRPO step: each target's log-probability under the weights that sampled it, in the
+    targets' order.
+    advantages_B: set for a GRPO step: each row's (completion's) group-normalised advantage."""
 
     tokens_BT: jax.Array
     segments_BT: jax.Array | None = None
@@ -48,6 +51,8 @@ class PackedRows:
     order_BL: jax.Array | None = None
     reference_BL: jax.Array | None = None
     pair_weights_B: jax.Array | None = None
+    sampled_BL: jax.Array | None = None
+    advantages_B: jax.Array | None = None
 
     @classmethod
     def of(cls, batch) -> PackedRows:

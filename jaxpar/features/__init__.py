@@ -23,13 +23,15 @@ from jaxpar.features import (
     offload,
     pipeline,
     precision,
+    rl,
     run,
     tensor,
     training,
 )
 from jaxpar.features.feature import KEEP, Checks, Switch, first
 
-FEATURES = (run, model, tensor, context, training, data, pipeline, experts, offload, local_sgd, precision, adapters)
+FEATURES = (run, model, tensor, context, training, data, pipeline, experts, offload, local_sgd, precision, adapters,
+            rl)
 NAMED = (pipeline, data, context, tensor, local_sgd, offload, model, training, precision, experts, adapters)
 DERIVED = (training, experts)  # in this order: the automatic loss chunks count the tokens per device
 RULES = (context, tensor)  # in this order: sequence parallelism splits each context slice

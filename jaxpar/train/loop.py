@@ -27,6 +27,7 @@ from jaxpar.runtime.goodput import TIMELINE, Timeline, current_job, goodput
 from jaxpar.runtime.jsonl import append_jsonl, read_jsonl
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.feeds import feed_for
 from jaxpar.train.local_copy import LocalCopies
 from jaxpar.train.model_flops import utilization
 from jaxpar.train.report import write_json_atomic, write_jsonl_atomic
@@ -194,6 +195,8 @@ class _StepLog:
         step_time, self.last_time = now - self.last_time, now
         self.timeline.step(step, step_time)
         rows = rows or {}
+        if "generate_s" in rows:  # GRPO: sampling's share of the step (jaxpar.train.feeds.RolloutFeed)
+            rows = {**rows, "generate_share": min(rows["generate_s"] / step_time, 1.0)}
         real = self.tokens_per_step * rows.get("packing_efficiency", 1.0)
         record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": real / step_time, **rows}
         self.records.append(record)
@@ -227,26 +230,18 @@ def _announce(session: Session) -> None:
          f"({len(session.devices)} {session.devices[0].platform} devices{processes}), {cfg.train.steps} steps")
 
 
-def _row_metrics(session: Session, starts) -> dict:
-    """What the host knows of a step's packed rows: their packing efficiency and a mixture's shares."""
-    sampler = session.train_data
-    shares = {f"share/{name}": v for name, v in sampler.shares(starts).items()} if session.mixture else {}
-    return {"packing_efficiency": sampler.efficiency(starts), **shares}
-
-
 def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, state, start: int):
     """Train from step `start` to train.steps, saving as `saves` says and at the end; returns (state, the last
     step taken, the signal that stopped the run or None)."""
     t = session.cfg.train
     stopped_by, step = None, start
     agreement = StopAgreement()  # every process of a multi-process run stops at the same step
+    feed = feed_for(session, trainer)
     with StopSignals() as signals:
         pending = None
-        packed = session.cfg.data.packing != "none"
         for index in range(start, t.steps):
-            starts = session.train_data.starts(index)
-            state, metrics = trainer.step(state, trainer.put_windows(session.train_data, starts))
-            rows = _row_metrics(session, starts) if packed else None
+            batch, rows = feed.batch(index, state)
+            state, metrics = trainer.step(state, batch)
             if pending is not None:
                 log.finish(*pending)
             step = index + 1
@@ -312,6 +307,17 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     return _summarize(session, trainer, state, history, log.records, run_dir, board)
 
 
+def _reward_summary(records: list[dict]) -> dict:
+    """A GRPO run's first and last mean reward, and the share of its time spent sampling ({} otherwise)."""
+    rewarded = [r for r in records if "reward_mean" in r]
+    if not rewarded:
+        return {}
+    timed = rewarded[1:] or rewarded  # the first step compiles both programs
+    share = sum(r["generate_s"] for r in timed) / max(sum(r["step_time_s"] for r in timed), 1e-9)
+    return {"first_reward": rewarded[0]["reward_mean"], "final_reward": rewarded[-1]["reward_mean"],
+            "generate_share": min(share, 1.0)}
+
+
 def _utilization(session: Session, trainer: Trainer, tokens_per_s: float | None) -> dict:
     """The machine (jaxpar.plan.machine) and the MFU of the median tokens/s (jaxpar.train.model_flops.utilization).
     On a CPU, one 2048^3 matmul in the compute dtype is timed on the machine's first run, then read from
@@ -337,8 +343,9 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
     """Validation loss, a sample, summary.json and loss.png (and the validation loss on
     TensorBoard) for a finished run."""
     cfg = session.cfg
-    val_loss = validation_loss(trainer, state.params, session)
-    if board is not None:
+    # GRPO holds out no windows: its progress is the reward in metrics.jsonl
+    val_loss = None if session.val_data is None else validation_loss(trainer, state.params, session)
+    if board is not None and val_loss is not None:
         board.validation(cfg.train.steps, val_loss)
     # An interleaved pipeline stores its stacked layers permuted; the sampler runs the plain model.
     params = trainer.to_model_order(jax.jit(trainer.weights)(state.params))
@@ -368,6 +375,7 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
         "goodput": goodput(current_job(read_jsonl(run_dir / TIMELINE)), time.time()) if _primary() else None,
         "sample": sample,
         "config": cfg.to_dict(),
+        **_reward_summary(every_step),
     }
     if _primary():
         summary.update(_utilization(session, trainer, summary["tokens_per_s_median"]))

@@ -8,6 +8,7 @@ from a Hugging Face folder reads back even after that folder is gone.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -15,6 +16,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxpar.config import Config, apply_overrides, flatten_dict
+from jaxpar.config.adapters import LoRAConfig
 from jaxpar.errors import UserError
 from jaxpar.model.transformer import Transformer
 from jaxpar.train.checkpoint import PARAMS, brief_error, flat_by_path, is_damage, nest_by_path
@@ -81,3 +83,14 @@ class SavedRun:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def read_run_weights(folder: str, cfg: Config, shardings) -> nnx.State:
+    """model.from_run's starting weights: the newest checkpoint's parameters of the run in `folder`, onto
+    `shardings` (the weights' own, without adapters; the run trained none: jaxpar.config.from_run)."""
+    run = SavedRun(folder)
+    try:
+        bare = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoRAConfig()))
+        return run.params(run.step(None), bare, shardings)
+    finally:
+        run.close()

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.config import Config, TrainConfig
+from jaxpar.config import Config
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.model.adapters import read_as, trainable, with_frozen, zero_grad
@@ -33,6 +33,7 @@ from jaxpar.parallel.hooks import eval_hooks
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.pipeline import StageFns
 from jaxpar.parallel.pipeline_plan import PipelinePlan
+from jaxpar.train import grpo
 from jaxpar.train.chunked_loss import chunked_token_losses
 from jaxpar.train.loss_scale import all_finite, unless_skipped
 from jaxpar.train.offload import Placement, offloaded_update
@@ -71,11 +72,15 @@ def _mean_loss(losses_BL: jax.Array, batch: PackedRows) -> tuple[jax.Array, dict
     return batch.mean_loss(losses_BL)
 
 
-def _reduction(t: TrainConfig) -> Callable:
+def _reduction(cfg: Config) -> Callable:
     """reduce(losses_BL, batch) -> (loss, stats): what each target's cross-entropy becomes under
-    train.objective: the mean (sft), or the preference loss over the rows' pairs with its metrics."""
+    train.objective: the mean (sft), the preference loss over the rows' pairs, or GRPO's clipped policy
+    objective over the rows' completions (jaxpar.train.grpo), with their metrics."""
+    t = cfg.train
     if t.objective == "sft":
         return _mean_loss
+    if t.objective == "grpo":
+        return functools.partial(grpo.batch_objective, cfg.rl)
     return functools.partial(batch_objective, t.objective, t.preference)
 
 
@@ -150,7 +155,7 @@ def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT, precision: 
     return _mean_loss(target_losses(graphdef, params, batch, precision, loss_chunks), batch)[0]
 
 
-def objective(model: nnx.Module, batch: PackedRows, rows: RowInputs, t: TrainConfig, experts: ExpertTerms,
+def objective(model: nnx.Module, batch: PackedRows, rows: RowInputs, cfg: Config, experts: ExpertTerms,
               scan=None):
     """(cross-entropy or preference loss + MoE auxiliary losses, stats): what training minimizes, and
     what it reports.
@@ -161,9 +166,9 @@ def objective(model: nnx.Module, batch: PackedRows, rows: RowInputs, t: TrainCon
     block protocol (jaxpar.model.protocol) is called whole.
     """
     if not is_block_model(model):
-        return _loss_stats(_logits(model, batch), batch, _reduction(t))
+        return _loss_stats(_logits(model, batch), batch, _reduction(cfg))
     x_BLD, routing = _run_blocks(model, _embedded(model, batch), scan, None, rows)
-    loss, stats = _head_stats(model, x_BLD, batch, t.loss_chunks, _reduction(t))
+    loss, stats = _head_stats(model, x_BLD, batch, cfg.train.loss_chunks, _reduction(cfg))
     if not routing:
         return loss, stats
     aux, sums = experts.objective_terms(routing)
@@ -176,7 +181,7 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPo
     t = cfg.train
     scan = layer_scan(t.remat, hooks, t.offloads_activations)
     model = lambda p: _model(graphdef, p, precision, hooks)  # noqa: E731
-    reduce = _reduction(t)
+    reduce = _reduction(cfg)
 
     def layers(p, x_bLD, layer_ids, rows_b: RowInputs):
         x_bLD, routing = _run_blocks(model(p), x_bLD, scan, layer_ids, rows_b)
@@ -231,7 +236,7 @@ def _gradient_fn(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: 
 
         def scaled_objective(p, micro):
             batch, rows = micro
-            value, stats = objective(_model(graphdef, p, precision, hooks), batch, rows, t, experts, scan)
+            value, stats = objective(_model(graphdef, p, precision, hooks), batch, rows, cfg, experts, scan)
             return value * scale, stats
 
         return accumulated_grads(scaled_objective, params, batch, t.grad_accum, layout)
@@ -257,6 +262,8 @@ def _preparation(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: 
     t = cfg.train
     if t.objective == "sft":
         return lambda params, batch: batch.weighted()
+    if t.objective == "grpo":  # the rollout carries its log-probabilities (jaxpar.rl.rollout.Scoring)
+        return lambda params, batch: batch
 
     def prepare(params, batch: PackedRows) -> PackedRows:
         batch = weighted_pairs(batch)

@@ -36,6 +36,7 @@ from jaxpar.parallel.rules import RULES
 from jaxpar.session import Session
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.optim import Optimizer
+from jaxpar.train.saved_run import read_run_weights
 from jaxpar.train.state import TrainState
 from jaxpar.train.step import make_eval_step, make_train_step
 
@@ -121,22 +122,33 @@ class Trainer:
         return nnx.state(self.build_model(_rngs(self.cfg)))
 
     def init(self) -> TrainState:
-        """Create the initial state directly in its sharded layout: from model.from_hf's weights (each
-        device reading its own slices), else freshly initialized."""
-        if self.session.hf_checkpoint is None:
+        """Create the initial state directly in its sharded layout: from model.from_hf's or model.from_run's
+        weights (each device reading its own slices), else freshly initialized."""
+        if self.session.hf_checkpoint is None and not self.cfg.model.from_run:
             if self.cfg.model.lora.from_peft:
                 raise ConfigError("model.lora.from_peft puts an adapter on the checkpoint it was made for; "
                                   "give that checkpoint as model.from_hf.")
             return self._create_fresh()
-
         if not self.cfg.model.lora.enabled:
-            params, _ = load_params(self.session.hf_checkpoint, self.cfg.model, self.param_shardings)
-            return self._create_from(params)
+            return self._create_from(self._read_weights(self.param_shardings))
         # adapters on a checkpoint: its weights frozen (stored as model.lora.base_dtype), the adapters fresh
         frozen, adapter_shardings = nnx.split_state(self.param_shardings, Frozen, nnx.LoRAParam)
-        base, _ = load_params(self.session.hf_checkpoint, self.cfg.model, frozen)
-        base = jax.jit(freeze_state, out_shardings=frozen)(base)
+        base = jax.jit(freeze_state, out_shardings=frozen)(self._read_weights(frozen))
         return self._create_from(nnx.merge_state(base, self._first_adapters(adapter_shardings)))
+
+    def _read_weights(self, shardings) -> nnx.State:
+        """The starting weights (no adapters) onto `shardings`: model.from_hf's files or model.from_run's
+        newest checkpoint."""
+        if self.session.hf_checkpoint is not None:
+            return load_params(self.session.hf_checkpoint, self.cfg.model, shardings)[0]
+        return read_run_weights(self.cfg.model.from_run, self.cfg, shardings)
+
+    def start_params(self) -> nnx.State:
+        """The weights the run started from, again (model order, on the parameters' shardings): a GRPO
+        run's frozen reference policy."""
+        if self.session.hf_checkpoint is None and not self.cfg.model.from_run:
+            return jax.jit(self.fresh_params, out_shardings=self.param_shardings)()
+        return self._read_weights(self.param_shardings)
 
     def _first_adapters(self, shardings):
         """The adapters a run starts from: model.lora.from_peft's, else fresh (A drawn, B zero)."""
@@ -208,9 +220,15 @@ class Trainer:
         return jax.device_put(dataclasses.replace(state, stale_params=stale), self.state_shardings)
 
     def abstract_batch(self):
-        """The shapes, dtypes and sharding of one step's batch: a token array, or packed rows."""
+        """The shapes, dtypes and sharding of one step's batch: a token array, or packed rows (GRPO's
+        with each completion's advantage and log-probabilities: jaxpar.rl.rollout)."""
         shape = (self.cfg.train.batch_size, self.cfg.model.seq_len + 1)
         one = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+        if self.cfg.train.objective == "grpo":
+            per_row = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=self.batch_sharding)
+            per_target = jax.ShapeDtypeStruct((shape[0], shape[1] - 1), jnp.float32, sharding=self.batch_sharding)
+            reference = per_target if self.cfg.rl.kl_beta > 0 else None
+            return PackedRows(one, one, one, one, reference_BL=reference, sampled_BL=per_target, advantages_B=per_row)
         if self.cfg.data.packing == "none":
             return one
         sources = len(self.session.mixture)

@@ -12,8 +12,10 @@ import jax
 import numpy as np
 
 from jaxpar.features import reference_overrides
+from jaxpar.rl.rollout import Scoring
 from jaxpar.session import Session, on_devices
 from jaxpar.train.checkpoint import flat_by_path
+from jaxpar.train.feeds import RolloutFeed
 from jaxpar.train.routing_check import RoutingCheck
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify_local import verify_local
@@ -51,6 +53,30 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     return compare(session, layout, reference, layout.init(), log)
 
 
+def _batches(session: Session, layout: Trainer, reference: Trainer, gather):
+    """batches(index, state, ref_state) -> step index's batch for each side: the same windows, or for GRPO
+    the same completions (sampled by the layout, replayed to the reference), each side scoring them with
+    its own weights (and the same frozen reference policy)."""
+    if session.cfg.train.objective != "grpo":
+        sampler = session.train_data
+
+        def windows(index, state, ref_state):
+            starts = sampler.starts(index)
+            return layout.put_windows(sampler, starts), reference.put_batch(sampler.windows(starts))
+
+        return windows
+    feed = RolloutFeed(session, layout)
+    frozen = feed.scoring.reference
+    copied = None if frozen is None else jax.device_put(jax.device_get(gather(frozen)), reference.param_shardings)
+    ref_scoring = Scoring(reference, copied)
+
+    def rollouts(index, state, ref_state):
+        batch, _ = feed.batch(index, state)
+        return batch, ref_scoring.batch(ref_state.params, feed.rows)
+
+    return rollouts
+
+
 def compare(session: Session, layout: Trainer, reference: Trainer, state, log=print) -> dict:
     """verify's comparison from the layout's state `state` (the reference starts from a copy of it):
     both sides train on the same batches, the reference replaying the layout's routing of an MoE
@@ -61,21 +87,23 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
     ref_state = reference.put_state(layout.to_model_order(jax.device_get(gather(state))))
     from_zero = {key for key, value in flat_by_path(jax.device_get(ref_state.params)).items() if not np.any(value)}
     routing = RoutingCheck(cfg.model.moe.every, policy.tie_tolerance) if layout.trace_routing else None
-    loss_errors, sampler = [], session.train_data
+    loss_errors, batches = [], _batches(session, layout, reference, gather)
+    # GRPO's loss is a mean of terms of order 1 (the advantages have unit spread in each group) that cancel
+    # to about 0 where the ratio is 1: its error is measured against that order, not against the near-0 sum
+    loss_floor = 1.0 if cfg.train.objective == "grpo" else 1e-30
     for index in range(cfg.train.steps):
-        starts = sampler.starts(index)
-        ref_batch = reference.put_batch(sampler.windows(starts))
+        batch, ref_batch = batches(index, state, ref_state)
         if routing is None:
-            state, metrics = layout.step(state, layout.put_windows(sampler, starts))
+            state, metrics = layout.step(state, batch)
             ref_state, ref_metrics = reference.step(ref_state, ref_batch)
         else:
-            state, metrics = layout.step(state, layout.put_windows(sampler, starts), None)
+            state, metrics = layout.step(state, batch, None)
             codes = routing.codes(jax.device_get(metrics))
             ref_state, ref_metrics = reference.step(ref_state, ref_batch,
                                                     reference.put_batch(routing.replay_input(codes)))
             routing.add(index, codes, jax.device_get(ref_metrics))
         loss, ref_loss = float(metrics["loss"]), float(ref_metrics["loss"])
-        loss_errors.append(abs(loss - ref_loss) / abs(ref_loss))
+        loss_errors.append(abs(loss - ref_loss) / max(abs(ref_loss), loss_floor))
         log(f"step {index + 1}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}")
 
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
