@@ -26,9 +26,10 @@ def newest_step(folder: Path) -> int:
     return steps[-1]
 
 
-def saved_config(folder: Path) -> dict:
-    """The config the run saved with its newest checkpoint, as a nested dict."""
-    meta = folder / "checkpoints" / str(newest_step(folder)) / "meta" / "metadata"
+def saved_config(folder: Path, step: int | None = None) -> dict:
+    """The config the run saved with its checkpoint at `step` (default: the newest), as a nested dict, read
+    as plain JSON (so nothing starts jax before its devices are set up)."""
+    meta = folder / "checkpoints" / str(newest_step(folder) if step is None else step) / "meta" / "metadata"
     try:
         return json.loads(meta.read_text(encoding="utf-8"))["config"]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:

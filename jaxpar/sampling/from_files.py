@@ -16,9 +16,11 @@ from pathlib import Path
 from flax import nnx
 from tqdm import tqdm
 
-from jaxpar.config import Config, apply_overrides
+from jaxpar.config import Config, apply_overrides, flatten_dict
+from jaxpar.config.from_run import newest_step, saved_config
 from jaxpar.config.mesh import resolve_mesh
 from jaxpar.config.presets import load_config, parse_override
+from jaxpar.config.rl import RLConfig
 from jaxpar.data.token_folder import TextCodec, tokenizer_folder
 from jaxpar.errors import UserError
 from jaxpar.interop.hf_weights import load_params
@@ -57,7 +59,8 @@ def _layout_overrides(settings: list[str]) -> dict[str, str]:
 
 
 def _source(source: str, step: int | None, overrides: dict[str, str]):
-    """(config to run with, the weights' reader, the folder naming the end tokens and tokenizer)."""
+    """(config to run with, the run's folder and step or None, the folder naming the end tokens and
+    tokenizer). Read without starting jax: the devices are set up from the config after."""
     folder = Path(source)
     if (folder / "config.json").is_file():
         cfg = load_config(None, {"model.from_hf": str(folder), **overrides})
@@ -65,12 +68,13 @@ def _source(source: str, step: int | None, overrides: dict[str, str]):
     if not (folder / "checkpoints").is_dir():
         raise UserError(f"{source} is neither a run folder (with checkpoints/) nor a Hugging Face checkpoint "
                         f"(with config.json).")
-    run = SavedRun(folder)
-    step = run.step(step)
-    cfg = run.config(step)
+    if step is not None and not (folder / "checkpoints" / str(step)).is_dir():
+        raise UserError(f"{source} has no checkpoint at step {step}.")
+    step = newest_step(folder) if step is None else step
+    cfg = apply_overrides(Config(), flatten_dict(saved_config(folder, step)))
     origin = Path(cfg.model.from_hf) if cfg.model.from_hf else None
     # the weights come from the checkpoint: the folder it started from need not be there any more
-    return apply_overrides(cfg, {"model.from_hf": "", **overrides}), (run, step), origin
+    return apply_overrides(cfg, {"model.from_hf": "", "model.from_run": "", **overrides}), (folder, step), origin
 
 
 def _checked(cfg: Config, batch: int, tokens: int) -> Config:
@@ -83,7 +87,9 @@ def _checked(cfg: Config, batch: int, tokens: int) -> Config:
     if cfg.model.moe.experts and cfg.model.moe.router == "expert_choice":
         raise UserError("expert_choice routing looks at the whole routing group, so the model is not causal and "
                         "cannot generate one token at a time.")
-    return apply_overrides(cfg, {"train.batch_size": batch, "train.grad_accum": 1})
+    # how the run trained is not how it generates: one batch of `batch` rows, no objective's settings
+    train = dataclasses.replace(cfg.train, batch_size=batch, grad_accum=1, objective="sft")
+    return dataclasses.replace(cfg, train=train, rl=RLConfig())
 
 
 def generate_file(source: str, request: Request, settings: list[str] = (), progress: bool = True) -> dict:
@@ -125,7 +131,8 @@ def _weights(trainer: Trainer, saved) -> nnx.State:
     """The weights on the layout's shardings: a run's checkpoint, or model.from_hf's files."""
     if saved is None:
         return load_params(trainer.session.hf_checkpoint, trainer.cfg.model, trainer.param_shardings)[0]
-    run, step = saved
+    folder, step = saved
+    run = SavedRun(folder)
     try:
         return run.params(step, trainer.cfg, trainer.param_shardings)
     finally:

@@ -18,6 +18,7 @@ from flax import nnx
 from jaxpar.config import Config, apply_overrides, flatten_dict
 from jaxpar.config.adapters import LoRAConfig
 from jaxpar.errors import UserError
+from jaxpar.model.axes import is_variable, path_names
 from jaxpar.model.transformer import Transformer
 from jaxpar.train.checkpoint import PARAMS, brief_error, flat_by_path, is_damage, nest_by_path
 
@@ -91,6 +92,11 @@ def read_run_weights(folder: str, cfg: Config, shardings) -> nnx.State:
     run = SavedRun(folder)
     try:
         bare = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoRAConfig()))
-        return run.params(run.step(None), bare, shardings)
+        params = run.params(run.step(None), bare, shardings)
     finally:
         run.close()
+    # as the variables of `shardings` (the frozen ones, for a run with adapters) hold them
+    values = {path_names(p): v.get_value() for p, v in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=is_variable)[0]}
+    return jax.tree_util.tree_map_with_path(lambda p, v: v.replace(values[path_names(p)]), shardings,
+                                            is_leaf=is_variable)
