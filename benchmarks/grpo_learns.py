@@ -48,7 +48,7 @@ def main() -> None:
     base = Path(args.from_run) if args.from_run else work / "quick_start"
     if not args.from_run:
         shutil.rmtree(base, ignore_errors=True)
-        run(["train", "--no-progress", f"run.dir={base}", "train.sample_tokens=0"])
+        run(["train", "--no-progress", "configs/default.yaml", f"run.dir={base}", "train.sample_tokens=0"])
     run(["train", "--no-progress", "configs/grpo_numbers.yaml", f"model.from_run={base}",
          f"train.steps={args.steps}", f"run.dir={work / 'grpo'}"])
     curve = rewards(work / "grpo")

@@ -40,7 +40,7 @@ MARKERS = {f"<!-- not run: {why} -->" for why in NOT_RUN} | {
     f"<!-- tests/{module}.py runs the next code block -->" for module in RUN_BY}
 SHELL = {"bash", "sh", "shell", "console"}
 RUN_LANGUAGES = SHELL | {"python", "yaml", "yml"}
-CONFIG_SECTIONS = {"extends", "model", "mesh", "train", "parallel", "checkpoint", "data", "run"}
+CONFIG_SECTIONS = {"extends", "model", "mesh", "train", "parallel", "checkpoint", "data", "run", "rl"}
 # Appended so that each command runs in seconds on 2 cores; checkpoint.every is capped, not dropped.
 SPEED = {"train": ["train.steps=2", "train.eval_batches=1", "train.sample_tokens=0"], "verify": ["train.steps=1"]}
 MAX_CHECKPOINT_EVERY = 2

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ModelConfig
 from jaxpar.config.precision import PrecisionPolicy
@@ -72,7 +73,9 @@ class BatchedGenerator:
                             f"{shape.prompt_slots} plus {shape.new_tokens} new tokens do not fit.")
         self.graphdef, self.cfg, self.precision, self.shape = graphdef, model_cfg, precision, shape
         self.sampling, self.stop_ids, self.layout = sampling, np.asarray(sorted(stop_ids), np.int32), layout
-        self._program = jax.jit(self._generate)
+        # the tokens come back whole on every device: a multi-process run's processes all read them
+        replicated = None if layout is None else NamedSharding(layout.mesh, PartitionSpec())
+        self._program = jax.jit(self._generate, out_shardings=replicated)
 
     def __call__(self, params, prompts: list[list[int]], rows: list[int] | None = None) -> list[list[int]]:
         """The new tokens of each prompt (at most shape.batch of them; fewer are padded with copies)."""
@@ -96,7 +99,10 @@ class BatchedGenerator:
         return [tokens_BN[b, :lengths_B[b]].tolist() for b in range(count)]
 
     def _place(self, array: np.ndarray) -> jax.Array:
-        return jnp.asarray(array) if self.layout is None else jax.device_put(array, self.layout.batch_sharding())
+        """The host array (the same in every process) split by rows over the mesh, each device its slice."""
+        if self.layout is None:
+            return jnp.asarray(array)
+        return jax.make_array_from_callback(array.shape, self.layout.batch_sharding(), lambda index: array[index])
 
     def _generate(self, params, tokens_BP: jax.Array, starts_B: jax.Array, rows_B: jax.Array):
         if self.layout is None:
