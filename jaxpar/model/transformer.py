@@ -151,16 +151,31 @@ class Transformer(nnx.Module):
 
     def decode(self, tokens_BL: jax.Array, caches) -> tuple[jax.Array, object]:
         """Logits (B, L, V) of the next L tokens, given the key/value caches of what came before
-        (`empty_caches`), and the caches with these tokens added."""
-        x_BLD = self.embed(tokens_BL, _first_cache(caches).positions_BL(tokens_BL.shape[1]))
+        (`empty_caches`: stacked like the layers, or a list of one per layer, which unrolls the layers),
+        and the caches with these tokens added."""
+        L = tokens_BL.shape[1]
+        first = _first_cache(caches)
+        x_BLD = self.embed(tokens_BL, first.positions_BL(L))
         graphdef, stacked = nnx.split(self.blocks)
+        if isinstance(caches, list):
+            updated = []
+            for index, mine in enumerate(caches):
+                layer_state = jax.tree.map(lambda a, i=index: a[i], stacked)
+                x_BLD, mine = nnx.merge(graphdef, layer_state).decode(x_BLD, mine)
+                updated.append(mine)
+            return self.logits(x_BLD), updated
 
-        def one_unit(x_BLD, unit):
-            layer_state, unit_caches = unit
-            x_BLD, unit_caches = nnx.merge(graphdef, layer_state).decode(x_BLD, unit_caches)
-            return x_BLD, unit_caches
+        # The stacked caches ride in the carry, and each layer writes back only its L new slots: as the
+        # scan's input and output they would be copied whole at every token.
+        def one_unit(carry, unit):
+            x_BLD, caches = carry
+            layer_state, index = unit
+            mine = jax.tree.map(lambda a: a[index], caches)
+            x_BLD, mine = nnx.merge(graphdef, layer_state).decode(x_BLD, mine)
+            return (x_BLD, _write_new_slots(caches, mine, index, first.length, L)), None
 
-        x_BLD, caches = jax.lax.scan(one_unit, x_BLD, (stacked, caches))
+        layers = jnp.arange(stacked_layers(stacked))
+        (x_BLD, caches), _ = jax.lax.scan(one_unit, (x_BLD, caches), (stacked, layers))
         return self.logits(x_BLD), caches
 
     def empty_caches(self, cfg: ModelConfig, batch: int, positions: int, dtype=jnp.float32,
@@ -210,10 +225,29 @@ def plain_scan(one_layer: Callable, x_BLD: jax.Array, stacked, layer_ids: jax.Ar
     return jax.lax.scan(lambda x, layer: one_layer(x, *layer), x_BLD, (stacked, layer_ids))
 
 
+def _write_new_slots(caches, layer_caches, index: jax.Array, start: jax.Array, new: int):
+    """The stacked caches with layer `index`'s slots start ... start + new taken from its updated caches
+    (and their lengths advanced)."""
+    def write(stacked_a, layer_a):
+        if stacked_a.ndim < 4:  # lengths and starts: the layer's own
+            return jax.lax.dynamic_update_index_in_dim(stacked_a, layer_a, index, 0)
+        fresh = jax.lax.dynamic_slice_in_dim(layer_a, start, new, axis=1)
+        at = (index, jnp.zeros((), jnp.int32), start) + (jnp.zeros((), jnp.int32),) * (stacked_a.ndim - 3)
+        return jax.lax.dynamic_update_slice(stacked_a, fresh[None], at)
+
+    return jax.tree.map(write, caches, layer_caches)
+
+
 def _first_cache(caches) -> KVCache:
     """The first layer's cache (every layer's holds as many positions, from the same starts)."""
+    if isinstance(caches, list):
+        return _first_cache_of_unit(caches[0])
     first = caches[0] if isinstance(caches, tuple) else caches
     return jax.tree.map(lambda a: a[0], first)
+
+
+def _first_cache_of_unit(unit_caches) -> KVCache:
+    return unit_caches[0] if isinstance(unit_caches, tuple) else unit_caches
 
 
 def stacked_layers(stacked) -> int:
