@@ -224,7 +224,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxpar.sampling.choice import Sampling
-    from jaxpar.train.generate import check_flags, generate
+    from jaxpar.sampling.command import check_flags, generate
 
     check_flags(args)
     if args.prompts is None:

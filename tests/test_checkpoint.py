@@ -35,7 +35,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, capsys, re
 @pytest.mark.slow
 def test_a_completed_run_keeps_its_final_state_unless_told_not_to(tmp_path, capsys):
     """checkpoint.every=0 (the default) still leaves the last step for export-hf, generate and a resume."""
-    from jaxpar.train.generate import generate
+    from jaxpar.sampling.command import generate
 
     code, _ = train_here(capsys, tmp_path / "kept", "train.steps=2")
     assert code == 0 and checkpoint_steps(tmp_path / "kept") == [2]

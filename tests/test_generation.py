@@ -12,7 +12,9 @@ import pytest
 from flax import nnx
 
 from jaxpar.config import precision
+from jaxpar.config.presets import load_config
 from jaxpar.interop import hf
+from jaxpar.model.transformer import Transformer
 from jaxpar.sampling.batched import BatchedGenerator, Shape
 from jaxpar.sampling.choice import Sampling, choose, row_keys
 
@@ -57,7 +59,7 @@ def test_batched_greedy_equals_one_prompt_at_a_time(session_for):
     """32 prompts of 1 to 16 tokens, left-padded into one batch on data=8 and on data=4 x tensor=2, give
     token for token what each gives alone on one device (a flip only at a near-tie of the reference's
     logits). The layouts start from the same weights (the seed's)."""
-    from jaxpar.train.sample import generate_ids
+    from jaxpar.sampling.single import generate_ids
 
     prompts, expected = _prompts(32), None
     for mesh in (("mesh.data=8", "mesh.tensor=1"), ("mesh.data=4", "mesh.tensor=2")):
@@ -190,3 +192,15 @@ def test_a_bad_prompts_file_gets_one_sentence(tmp_path, capsys, lines, message):
     assert main(["generate", str(FIXTURES / "qwen2"), "--prompts", str(prompts), "--out", str(tmp_path / "c"),
                  "--no-progress"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_generation_holds_no_copy_of_the_weights():
+    """The compiled program's temporaries on a model whose weights outweigh everything else stay well
+    under the weights' bytes (a layer's slice, one at a time: no second copy of every weight)."""
+    cfg = load_config(None, ["model.mlp=swiglu", "model.d_model=256", "model.d_ff=1024", "model.n_layers=4"])
+    graphdef, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    generator = BatchedGenerator(graphdef, cfg.model, precision.of(cfg), Shape(4, 8, 8), Sampling())
+    rows = jnp.zeros((4,), jnp.int32)
+    compiled = generator._program.lower(params, jnp.zeros((4, 8), jnp.int32), rows, rows).compile()
+    weights = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    assert compiled.memory_analysis().temp_size_in_bytes < weights / 2

@@ -159,3 +159,39 @@ def test_bad_input_is_one_sentence(tmp_path, monkeypatch, capsys, extra, message
     errors = [line for line in err.splitlines() if line.startswith("jaxpar: error: ")]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
     assert not (run / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------- what a run samples
+
+
+@pytest.mark.slow
+def test_updates_per_batch_train_on_one_sample(tmp_path):
+    """rl.updates_per_batch=2: a batch is sampled every other step and trained on twice; the second
+    update sees the ratio move from 1 (the weights that sampled it have changed)."""
+    run = tmp_path / "run"
+    settings = grpo_settings(write_prompts(tmp_path), "rl.updates_per_batch=2", "train.steps=4", "train.log_every=1",
+                             "train.lr=1e-2", f"run.dir={run}")
+    assert main(["train", "--no-progress", *settings]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["generate_s"] > 0 for r in rows] == [True, False, True, False]
+    assert rows[1]["reward_mean"] == rows[0]["reward_mean"] and rows[3]["reward_mean"] == rows[2]["reward_mean"]
+    assert rows[1]["loss"] != rows[0]["loss"]
+
+
+@pytest.mark.slow
+def test_grpo_on_an_imported_checkpoint_with_prompts_from_a_tokenized_folder(tmp_path):
+    """Prompts tokenized with the checkpoint's tokenizer (each document a prompt), adapters on the imported
+    weights (the reference: the adapters off), two steps."""
+    from jaxpar.rl.prompts import PromptSet
+
+    qwen2 = "tests/fixtures/hf/qwen2"
+    folder = tmp_path / "tok"
+    assert main(["tokenize", "--no-progress", "--input", write_prompts(tmp_path), "--field", "prompt",
+                 "--tokenizer", qwen2, "--out", str(folder)]) == 0
+    settings = [f"model.from_hf={qwen2}", "model.lora.rank=2", "train.objective=grpo", f"data.source={folder}",
+                "model.seq_len=32", "rl.max_new_tokens=8", "rl.reward=length", "rl.target_length=5",
+                "train.sample_tokens=0", "train.steps=2", f"run.dir={tmp_path / 'run'}"]
+    prompts = prepare(load_config(None, settings)).train_data
+    assert isinstance(prompts, PromptSet) and len(prompts.ids) == 24
+    assert prompts.records[3]["prompt"] == "item 3 costs "
+    assert main(["train", "--no-progress", *settings]) == 0

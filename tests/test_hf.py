@@ -412,7 +412,7 @@ def test_the_key_value_cache_generates_what_the_whole_sequence_does():
     """Greedy ids with the cache are the argmax of the whole sequence's logits at every position
     (causal attention: position i's logits see only ids up to i)."""
     from jaxpar.interop import hf
-    from jaxpar.train.sample import generate_ids
+    from jaxpar.sampling.single import generate_ids
 
     model, cfg = hf.load(FIXTURES / "qwen3")
     graphdef, params = nnx.split(model)

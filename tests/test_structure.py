@@ -143,7 +143,7 @@ LAZY_IMPORTS = {
     # jax must start after the device flags: what the CLI, the launcher or the planner's workers reach first
     "cli.py", "config/precision.py", "plan/calibrate.py", "plan/compiled_cache.py", "plan/machine.py",
     "plan/search.py", "runtime/devices.py", "runtime/distributed.py", "runtime/replan.py", "session.py",
-    "train/generate.py", "train/model_flops.py",
+    "sampling/command.py", "train/model_flops.py",
     # a package only some commands need, paid for by those
     "charts.py", "plan/schedule_chart.py", "data/chat.py", "data/corpus.py", "data/document_readers.py",
     "data/token_folder.py", "data/tokenize.py", "train/tensorboard.py",

@@ -151,20 +151,11 @@ class Transformer(nnx.Module):
 
     def decode(self, tokens_BL: jax.Array, caches) -> tuple[jax.Array, object]:
         """Logits (B, L, V) of the next L tokens, given the key/value caches of what came before
-        (`empty_caches`: stacked like the layers, or a list of one per layer, which unrolls the layers),
-        and the caches with these tokens added."""
+        (`empty_caches`), and the caches with these tokens added."""
         L = tokens_BL.shape[1]
         first = _first_cache(caches)
         x_BLD = self.embed(tokens_BL, first.positions_BL(L))
         graphdef, stacked = nnx.split(self.blocks)
-        if isinstance(caches, list):
-            updated = []
-            for index, mine in enumerate(caches):
-                layer_state = jax.tree.map(lambda a, i=index: a[i], stacked)
-                x_BLD, mine = nnx.merge(graphdef, layer_state).decode(x_BLD, mine)
-                updated.append(mine)
-            return self.logits(x_BLD), updated
-
         # The stacked caches ride in the carry, and each layer writes back only its L new slots: as the
         # scan's input and output they would be copied whole at every token.
         def one_unit(carry, unit):
@@ -240,14 +231,8 @@ def _write_new_slots(caches, layer_caches, index: jax.Array, start: jax.Array, n
 
 def _first_cache(caches) -> KVCache:
     """The first layer's cache (every layer's holds as many positions, from the same starts)."""
-    if isinstance(caches, list):
-        return _first_cache_of_unit(caches[0])
     first = caches[0] if isinstance(caches, tuple) else caches
     return jax.tree.map(lambda a: a[0], first)
-
-
-def _first_cache_of_unit(unit_caches) -> KVCache:
-    return unit_caches[0] if isinstance(unit_caches, tuple) else unit_caches
 
 
 def stacked_layers(stacked) -> int:

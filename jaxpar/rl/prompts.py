@@ -1,5 +1,6 @@
 """GRPO's prompts: a JSONL file of records with a `prompt` field (data.source=prompts.jsonl; the other
-fields go to the reward), or a folder `jaxpar tokenize` wrote, each document a prompt.
+fields go to the reward), or a folder `jaxpar tokenize` wrote, each document a prompt (without the end
+token tokenize closes it with).
 
 Every prompt must leave room in a training row for rl.max_new_tokens: at most model.seq_len + 1 -
 max_new_tokens tokens, checked for all of them before anything compiles. Each rollout takes the next
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import numpy as np
 
 from jaxpar.config import Config
 from jaxpar.data.documents import load_documents
-from jaxpar.data.token_folder import TextCodec, is_token_folder
+from jaxpar.data.token_folder import TextCodec, is_token_folder, read_meta
 from jaxpar.errors import DataError
 from jaxpar.sampling.prompts import PROMPT_FIELD, read_prompts, shortened
 
@@ -35,7 +37,9 @@ class PromptSet:
         if is_token_folder(source):
             docs = load_documents(source, cfg.model.vocab_size)
             starts = np.concatenate([[0], docs.ends[:-1]])
+            end = read_meta(Path(source)).get("eod_id")  # a prompt goes on where a document would stop
             ids = [np.asarray(docs.tokens[s:e]).tolist() for s, e in zip(starts, docs.ends)]
+            ids = [i[:-1] if i and i[-1] == end else i for i in ids]
             records = [{PROMPT_FIELD: codec.decode(i)} for i in ids]
         elif source.endswith(".jsonl"):
             records = read_prompts(source)

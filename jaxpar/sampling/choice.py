@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.errors import UserError
-
-MAX_TEMPERATURE = 100.0
+from jaxpar.sampling.command import MAX_TEMPERATURE
 
 
 @dataclasses.dataclass(frozen=True)

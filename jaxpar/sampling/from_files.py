@@ -27,9 +27,9 @@ from jaxpar.interop.hf_weights import load_params
 from jaxpar.runtime.devices import setup_devices
 from jaxpar.sampling.batched import BatchedGenerator, Shape
 from jaxpar.sampling.choice import Sampling
+from jaxpar.sampling.command import stop_ids
 from jaxpar.sampling.prompts import PROMPT_FIELD, read_prompts, write_completions
 from jaxpar.session import on_devices
-from jaxpar.train.generate import stop_ids
 from jaxpar.train.saved_run import SavedRun
 from jaxpar.train.trainer import Trainer
 

@@ -5,8 +5,8 @@ or for train.objective=grpo a batch of completions sampled from the current weig
 from __future__ import annotations
 
 from jaxpar.rl.rollout import Rollouts, Scoring
+from jaxpar.sampling.command import stop_ids
 from jaxpar.session import Session
-from jaxpar.train.generate import stop_ids
 from jaxpar.train.trainer import Trainer
 
 

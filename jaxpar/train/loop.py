@@ -25,13 +25,13 @@ from jaxpar.runtime.distributed import ENV_ATTEMPT, StopAgreement, is_secondary
 from jaxpar.runtime.elastic import record_rows
 from jaxpar.runtime.goodput import TIMELINE, Timeline, current_job, goodput
 from jaxpar.runtime.jsonl import append_jsonl, read_jsonl
+from jaxpar.sampling.single import sample_text
 from jaxpar.session import Session
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.feeds import feed_for
 from jaxpar.train.local_copy import LocalCopies
 from jaxpar.train.model_flops import utilization
 from jaxpar.train.report import write_json_atomic, write_jsonl_atomic
-from jaxpar.train.sample import sample_text
 from jaxpar.train.saves import Saves, resume
 from jaxpar.train.tensorboard import TensorBoardWriter
 from jaxpar.train.trainer import Trainer

@@ -1,8 +1,9 @@
-"""`jaxpar generate RUN_DIR|HF_DIR --prompt TEXT`: what a trained or imported model says.
+"""`jaxpar generate RUN_DIR|HF_DIR --prompt TEXT`: what a trained or imported model says (and the
+flags and end tokens `--prompts`, jaxpar.sampling.from_files, shares).
 
 A run folder gives the weights of its newest checkpoint (or --step) and decodes with the
 tokenizer it trained with; a Hugging Face folder gives its own weights and tokenizer. Either runs
-on one device with a key/value cache (jaxpar.train.sample), and stops at the checkpoint's
+on one device with a key/value cache (jaxpar.sampling.single), and stops at the checkpoint's
 end-of-sequence ids.
 """
 
@@ -62,7 +63,7 @@ def generate(source: str, prompt: str, tokens: int, temperature: float = 0.0, se
     from jaxpar.data.token_folder import TextCodec, tokenizer_folder
     from jaxpar.interop import hf
     from jaxpar.model.transformer import Transformer
-    from jaxpar.train.sample import generate_ids
+    from jaxpar.sampling.single import generate_ids
     from jaxpar.train.saved_run import SavedRun
 
     _check_numbers(tokens, temperature)
