@@ -98,9 +98,9 @@ def test_the_steps_loss_and_gradient_are_the_papers_formulas():
 # ---------------------------------------------------------------- layouts, with the completions replayed
 
 
-@pytest.mark.parametrize("extra", [
-    pytest.param((), id="data=4 x tensor=2, zero 3"),
-    pytest.param(("model.lora.rank=4",), id="with adapters", marks=pytest.mark.slow)])
+@pytest.mark.slow  # GRPO's quick representative is the step against the paper's formulas
+@pytest.mark.parametrize("extra", [pytest.param((), id="data=4 x tensor=2, zero 3"),
+                                   pytest.param(("model.lora.rank=4",), id="with adapters")])
 def test_grpo_verifies_with_the_completions_replayed(tmp_path, extra):
     """The layout samples each step's completions; the single-device reference trains on the same ones
     (scoring them with its own weights); losses and weights agree at fp32 tolerance."""

@@ -46,7 +46,8 @@ class RolloutFeed:
         self._kept: tuple | None = None
 
     def sample(self, index: int, state):
-        """(rollout number, Rollout) of step `index`, sampled now if it is the rollout's first step."""
+        """(rollout number, its Rollout, its scored batch or None) for step `index`, sampled now if this is
+        the rollout's first step."""
         rollout = index // self.updates
         if self._kept is None or self._kept[0] != rollout:
             self._kept = (rollout, self.rollouts.sample(rollout, state.params), None)
