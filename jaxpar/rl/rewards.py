@@ -23,23 +23,19 @@ import numpy as np
 
 from jaxpar.config.rl import RLConfig
 from jaxpar.errors import UserError
+from jaxpar.sampling.prompts import shortened
 
 BUILTINS = ("exact_match", "regex", "length")
-SHORT_PROMPT = 60  # characters of a prompt an error message quotes
+SHORT_VALUE = 60  # characters of a returned value an error message quotes
 _NAME = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
 _SPEC = re.compile(f"{_NAME}:{_NAME}")
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def _cut(text: str, limit: int = SHORT_PROMPT) -> str:
+def _cut(text: str, limit: int = SHORT_VALUE) -> str:
     """`text` cut to `limit` characters (the last three '...'), for an error message."""
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _short(prompt: str) -> str:
-    """The prompt cut short and quoted, for an error message."""
-    return repr(_cut(prompt))
 
 
 def _described(error: BaseException) -> str:
@@ -75,11 +71,11 @@ class Reward:
             raise
         except Exception as error:  # the user's code: any mistake in it is theirs to fix
             raise UserError(f"rl.reward={self.name!r} raised an exception ({_described(error)}) on the prompt "
-                            f"{_short(prompt)}.") from error
+                            f"{shortened(prompt)}.") from error
         number = _finite(value)
         if number is None:
             raise UserError(f"rl.reward={self.name!r} returned {_cut(repr(value))} ({type(value).__name__}), "
-                            f"not a finite number, on the prompt {_short(prompt)}.")
+                            f"not a finite number, on the prompt {shortened(prompt)}.")
         return number
 
 
@@ -88,7 +84,7 @@ class Reward:
 def _exact_match(field: str, prompt: str, completion: str, record: dict) -> float:
     """1 where the completion's first line, stripped, is the record's answer (as a string, stripped)."""
     if field not in record:
-        raise UserError(f"the record of the prompt {_short(prompt)} has no field {field!r} (rl.answer_field), "
+        raise UserError(f"the record of the prompt {shortened(prompt)} has no field {field!r} (rl.answer_field), "
                         "which rl.reward=exact_match compares the completion with.")
     lines = completion.splitlines()
     first = lines[0].strip() if lines else ""

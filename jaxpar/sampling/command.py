@@ -32,6 +32,13 @@ def stop_ids(folder: Path | None) -> frozenset[int]:
     return frozenset(ids)
 
 
+def refuse_expert_choice(cfg) -> None:
+    """One sentence for a model generation cannot run: expert_choice routing is not causal."""
+    if cfg.model.moe.experts and cfg.model.moe.router == "expert_choice":
+        raise UserError("expert_choice routing looks at the whole routing group, so the model is not causal and "
+                        "cannot generate one token at a time.")
+
+
 def check_flags(args) -> None:
     """One sentence for flags that do not go together or are out of range (before anything loads)."""
     if (args.prompt is None) == (args.prompts is None):
@@ -86,9 +93,7 @@ def generate(source: str, prompt: str, tokens: int, temperature: float = 0.0, se
     else:
         raise UserError(f"{source} is neither a run folder (with checkpoints/) nor a Hugging Face checkpoint "
                         f"(with config.json).")
-    if cfg.model.moe.experts and cfg.model.moe.router == "expert_choice":
-        raise UserError("expert_choice routing looks at the whole routing group, so the model is not causal and "
-                        "cannot generate one token at a time.")
+    refuse_expert_choice(cfg)
     codec = TextCodec(tokenizer)
     prompt_ids = codec.encode(prompt)
     if not prompt_ids:

@@ -27,7 +27,7 @@ from jaxpar.interop.hf_weights import load_params
 from jaxpar.runtime.devices import setup_devices
 from jaxpar.sampling.batched import BatchedGenerator, Shape
 from jaxpar.sampling.choice import Sampling
-from jaxpar.sampling.command import stop_ids
+from jaxpar.sampling.command import refuse_expert_choice, stop_ids
 from jaxpar.sampling.prompts import PROMPT_FIELD, read_prompts, write_completions
 from jaxpar.session import on_devices
 from jaxpar.train.saved_run import SavedRun
@@ -84,9 +84,7 @@ def _checked(cfg: Config, batch: int, tokens: int) -> Config:
     if cfg.mesh.stage > 1 or cfg.mesh.context > 1:
         raise UserError("generation runs on meshes without stages or context parallelism; set mesh.stage=1 and "
                         "mesh.context=1.")
-    if cfg.model.moe.experts and cfg.model.moe.router == "expert_choice":
-        raise UserError("expert_choice routing looks at the whole routing group, so the model is not causal and "
-                        "cannot generate one token at a time.")
+    refuse_expert_choice(cfg)
     # how the run trained is not how it generates: one batch of `batch` rows, no objective's settings
     train = dataclasses.replace(cfg.train, batch_size=batch, grad_accum=1, objective="sft")
     return dataclasses.replace(cfg, train=train, rl=RLConfig())

@@ -124,7 +124,7 @@ class Trainer:
     def init(self) -> TrainState:
         """Create the initial state directly in its sharded layout: from model.from_hf's or model.from_run's
         weights (each device reading its own slices), else freshly initialized."""
-        if self.session.hf_checkpoint is None and not self.cfg.model.from_run:
+        if self._starts_fresh:
             if self.cfg.model.lora.from_peft:
                 raise ConfigError("model.lora.from_peft puts an adapter on the checkpoint it was made for; "
                                   "give that checkpoint as model.from_hf.")
@@ -136,6 +136,11 @@ class Trainer:
         base = jax.jit(freeze_state, out_shardings=frozen)(self._read_weights(frozen))
         return self._create_from(nnx.merge_state(base, self._first_adapters(adapter_shardings)))
 
+    @property
+    def _starts_fresh(self) -> bool:
+        """Whether the run starts from newly initialized weights (neither model.from_hf nor model.from_run)."""
+        return self.session.hf_checkpoint is None and not self.cfg.model.from_run
+
     def _read_weights(self, shardings) -> nnx.State:
         """The starting weights (no adapters) onto `shardings`: model.from_hf's files or model.from_run's
         newest checkpoint."""
@@ -146,7 +151,7 @@ class Trainer:
     def start_params(self) -> nnx.State:
         """The weights the run started from, again (model order, on the parameters' shardings): a GRPO
         run's frozen reference policy."""
-        if self.session.hf_checkpoint is None and not self.cfg.model.from_run:
+        if self._starts_fresh:
             return jax.jit(self.fresh_params, out_shardings=self.param_shardings)()
         return self._read_weights(self.param_shardings)
 
