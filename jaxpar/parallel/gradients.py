@@ -86,3 +86,36 @@ def _reduce(layout: Layout, grad: nnx.Variable, path: tuple) -> nnx.Variable:
     if layout.pipelined and not plan.stacked:
         value = jax.lax.psum(value, "stage")
     return grad.replace(value / layout.manual_batch_ways)
+
+
+def carry_spec(layout: Layout) -> PartitionSpec:
+    """Where 2BW's in-flight values live between steps: each device's own, one leading entry per device
+    of the manual axes."""
+    return PartitionSpec(layout.manual)
+
+
+def window_gradients(layout: Layout, grad_fn: Callable, stale, params, batches, carry, *args):
+    """2BW's step on a pipeline layout (its batch axes manual): grad_fn(hooks, stale, params, batches, carry,
+    *args) -> ((stats, grads) of the previous step's batch, carry) runs the step's window on each device.
+    Returns the previous step's (stats, grads), reduced as `gradients` reduces them, and what stays in
+    flight, each device's own (carry_spec; carry None: nothing is in flight yet)."""
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    manual_in = jax.tree.map(lambda s: manual_part(s, layout.manual), layout.param_specs(params), is_leaf=is_spec)
+    manual_out = jax.tree.map(lambda s: manual_part(s, layout.manual), layout.grad_specs(params), is_leaf=is_spec)
+
+    def per_shard(stale, params, batches, carry, *args):
+        hooks = ManualHooks.for_params(layout, params)
+        local = None if carry is None else jax.tree.map(lambda a: a[0], carry)
+        with layout_hooks(hooks):
+            (stats, grads), local = grad_fn(hooks, stale, params, batches, local, *args)
+        stats = jax.tree.map(lambda x: jax.lax.psum(x, layout.manual) / layout.manual_batch_ways, stats)
+        grads = jax.tree_util.tree_map_with_path(lambda p, g: _reduce(layout, g, path_names(p)), trainable(grads),
+                                                 is_leaf=is_variable)
+        return stats, grads, jax.tree.map(lambda a: a[None], local)
+
+    fn = jax.shard_map(per_shard, mesh=layout.mesh, axis_names=set(layout.manual), check_vma=False,
+                       in_specs=(manual_in, manual_in, PartitionSpec(layout.manual_data),
+                                 carry_spec(layout)) + (PartitionSpec(),) * len(args),
+                       out_specs=(PartitionSpec(), manual_out, carry_spec(layout)))
+    stats, grads, carry = fn(stale, params, batches, carry, *args)
+    return (stats, grads), carry

@@ -84,7 +84,10 @@ class Layout:
         # > 1 is left automatic, the size-1 ones are made manual too: _with_idle_axes).
         # Gradients reduced in another dtype than fp32 are reduced by hand too: the partitioner
         # reduces each weight gradient in the dtype its matmul produced it in.
+        # 2BW carries what is in flight from step to step, each device its own: with the batch axes manual
+        # too, every such value is one device's, not an array the partitioner may spread over `data`.
         manual_batch = (sizes.get("expert", 1) > 1 or (pipelined and sizes.get("tensor", 1) > 1)
+                        or (pipelined and parallel.pipeline.schedule == "2bw")
                         or jnp.dtype(reduce_dtype) != jnp.float32)
         manual_data = data_axes if manual_batch else ()
         batch_ways = math.prod(sizes[a] for a in data_axes)

@@ -97,7 +97,7 @@ class _OneFOneB:
         self.fns, self.is_stacked, self.batch_M, self.layer_ids = fns, is_stacked, batch_M, layer_ids
         self.table, self.axis, self.recompute = table, axis, recompute
         S, v = table.stages, table.virtual
-        self.K = stash_size(table)
+        self.K = self.stash_slots(table)
         self.s = jax.lax.axis_index(axis)
         self.layers_per_chunk = local_layers(params, is_stacked) // v
         self.compute = fns.cast(params)  # once per step; residuals refer to these weights, never copy them
@@ -125,6 +125,19 @@ class _OneFOneB:
         self.kept = {} if recompute else kept  # what the stash holds
         self.no_kept = {name: self.no_res[name] for name in self.kept}  # what ticks that keep nothing write
 
+    @staticmethod
+    def stash_slots(table: Table) -> int:
+        """Slots per in-flight value: the fewest that the table never overwrites while live."""
+        return stash_size(table)
+
+    def weights_for(self, m):
+        """The weights (compute dtype) that microbatch m runs on: the step's."""
+        return self.compute
+
+    def rows_for(self, m):
+        """Microbatch m's tokens and rows."""
+        return microbatch(self.batch_M, m)
+
     def run(self, params):
         """(this device's share of the mean loss, (sums of the layers' stats, of the head's), grads)."""
         v, M = self.table.virtual, self.table.microbatches
@@ -142,10 +155,10 @@ class _OneFOneB:
         b, m, c = self.branch[t, s], self.micro[t, s], self.chunk[t, s]
         local_chunk = c // self.table.stages
         slot = (m % K, local_chunk)
-        tokens, rows = microbatch(self.batch_M, m)
+        tokens, rows = self.rows_for(m)
         ids = jax.lax.dynamic_slice_in_dim(self.layer_ids, local_chunk * self.layers_per_chunk, self.layers_per_chunk)
         inputs = _TickInputs(
-            p=chunk_params(self.compute, self.is_stacked, local_chunk, self.layers_per_chunk), tokens=tokens,
+            p=chunk_params(self.weights_for(m), self.is_stacked, local_chunk, self.layers_per_chunk), tokens=tokens,
             rows=rows, ids=ids, local_chunk=local_chunk, stash=stash, slot=slot, grads=grads, loss_sum=loss_sum,
             stats_sum=stats_sum)
         branches = [lambda: self.idle(inputs), lambda: self.forward(inputs, b), lambda: self.backward(inputs, b)]

@@ -22,6 +22,7 @@ from jaxpar.parallel.gpipe import gpipe_value_and_grad
 from jaxpar.parallel.one_f_one_b import one_f_one_b_value_and_grad
 from jaxpar.parallel.pipeline import StageFns
 from jaxpar.parallel.schedules import Table, build, storage_order
+from jaxpar.parallel.two_bw import two_bw_window
 from jaxpar.parallel.zero_bubble import zero_bubble_value_and_grad
 
 
@@ -46,6 +47,12 @@ class PipelinePlan:
         return cls(table, None if order == sorted(order) else tuple(order), stacked_layers,
                    pipe.schedule == "2bw", pipe.recompute)
 
+    @property
+    def carries(self) -> bool:
+        """Whether steps overlap (2BW on stages): a step finishes the previous step's microbatches, and
+        what is in flight between them is part of the state."""
+        return self.table is not None and self.table.schedule == "2bw"
+
     def microbatches(self, grad_accum: int) -> int:
         """The microbatches one step cuts its batch into: the schedule's, else train.grad_accum's."""
         return grad_accum if self.table is None else self.table.microbatches
@@ -64,14 +71,25 @@ class PipelinePlan:
         """Stacked leaves from model order to this plan's storage order."""
         return tree if self.storage is None else _permute_layers(tree, np.asarray(self.storage))
 
+    def _layer_ids(self, axis: str):
+        local = self.stacked_layers // self.table.stages
+        stored = jnp.asarray(self.storage if self.storage is not None else range(self.stacked_layers), jnp.int32)
+        return jax.lax.dynamic_slice_in_dim(stored, jax.lax.axis_index(axis) * local, local)
+
+    def window_value_and_grad(self, fns: StageFns, old, params, stacked_mask, micro_2M, carry, live, has_current,
+                              axis: str = "stage"):
+        """2BW inside a shard_map manual over `axis`: the step's window (jaxpar.parallel.two_bw) on the
+        previous step's microbatches and then the step's (`micro_2M`), from what is in flight (`carry`;
+        None: nothing). Returns ((the previous step's share of the mean loss, stats, gradients), carry)."""
+        return two_bw_window(fns, old, params, stacked_mask, micro_2M, self._layer_ids(axis), self.table, carry,
+                             live, has_current, axis, self.recompute)
+
     def value_and_grad(self, fns: StageFns, params, stacked_mask, micro, axis: str = "stage"):
         """Inside a shard_map manual over `axis`: run the microbatches `micro` ((tokens_MbT, rows_Mb),
         as Layout.split_microbatches cuts them) through the schedule. Returns this device's
         (share of the mean loss, (sums of the layers' statistics, sums of the head's), gradients)."""
-        local = self.stacked_layers // self.table.stages
-        stored = jnp.asarray(self.storage if self.storage is not None else range(self.stacked_layers), jnp.int32)
-        layer_ids = jax.lax.dynamic_slice_in_dim(stored, jax.lax.axis_index(axis) * local, local)
-        if self.table.schedule == "gpipe":
+        layer_ids = self._layer_ids(axis)
+        if self.table.schedule in ("naive", "gpipe"):
             executor = gpipe_value_and_grad
         elif self.table.split_backward:
             executor = zero_bubble_value_and_grad

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw", "zb-h1", "zbv")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "2bw", "zb-h1", "zbv")
 # Schedules whose backward is split into B (input cotangent) and W (weight gradients).
 ZERO_BUBBLE = ("zb-h1", "zbv")
 
@@ -101,7 +101,7 @@ def theoretical_idle_fraction(stages: int, microbatches: int, virtual: int = 1) 
 
 def _orders(schedule: str, S: int, M: int, v: int) -> list[list[Action]]:
     """Each stage's actions in the order it runs them."""
-    if schedule == "gpipe":
+    if schedule in ("naive", "gpipe"):  # naive: GPipe with one microbatch, the whole batch
         return [[Action("F", i, s) for i in range(M)] + [Action("B", i, s) for i in range(M)] for s in range(S)]
     if schedule in ("1f1b", "2bw"):
         orders = []
@@ -192,7 +192,10 @@ def _interleaved_order(s: int, S: int, M: int, v: int) -> list[Action]:
 
 
 def build(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
-    """Simulate the schedule tick by tick; raises ValueError if it cannot make progress."""
+    """Simulate the schedule tick by tick; raises ValueError if it cannot make progress. For 2bw: one
+    step's window of the endless stream (steady_window)."""
+    if schedule == "2bw":
+        return steady_window(stages, microbatches)
     S, M, v = stages, microbatches, chunks_per_stage(schedule, virtual)
     orders = _orders(schedule, S, M, v)
     last_chunk = S * v - 1
@@ -276,3 +279,88 @@ def _no_overlap(spans, K: int) -> bool:
         if any(later[0] <= earlier[1] for earlier, later in zip(intervals, intervals[1:])):
             return False
     return True
+
+
+# ---- PipeDream-2BW in the steady state ------------------------------------------------------------
+# 2BW never flushes: the 1F1B order runs on across step boundaries, and each step's program is one
+# window of that endless stream, from stage 0's first forward of the step's batch to stage 0's first
+# forward of the next one. A window holds the rest of the previous step's microbatches (numbered
+# -M .. -1: their forwards on the later stages, and their backwards, on the weights one version old)
+# and the step's own (0 .. M-1, on the current weights); nothing of the next step's. All of the
+# previous batch's backwards finish inside the window, so its gradient is whole at the window's end,
+# where the update is applied: W(t+1) = W(t) - update(gradient taken at W(t-1)).
+
+STREAM_BATCHES = 6  # how many steps of the 1F1B stream are simulated to find its steady window
+
+
+def _forward_ticks_of_stage_0(stream: Table, M: int) -> list[int]:
+    """The tick at which stage 0 runs the forward of each step's first microbatch (0, M, 2M, ...)."""
+    firsts = {Action("F", t * M, 0): t for t in range(stream.microbatches // M)}
+    ticks = [0] * len(firsts)
+    for tick, row in enumerate(stream.ticks):
+        if row[0] in firsts:
+            ticks[firsts[row[0]]] = tick
+    return ticks
+
+
+def _window(stream: Table, starts: list[int], t: int, M: int) -> tuple:
+    """The ticks of step t's window, microbatches renumbered from the step's first (previous step: < 0)."""
+    renumber = lambda a: None if a is None else Action(a.kind, a.microbatch - t * M, a.chunk)  # noqa: E731
+    return tuple(tuple(renumber(a) for a in row) for row in stream.ticks[starts[t]:starts[t + 1]])
+
+
+def steady_window(stages: int, microbatches: int) -> Table:
+    """One step of 2BW in the steady state: a window of the endless 1F1B stream (see above). Its
+    microbatches -M .. -1 are the previous step's; every window after the pipeline has filled is the
+    same, and no stage idles in it."""
+    S, M = stages, microbatches
+    stream = build("1f1b", S, M * STREAM_BATCHES)
+    starts = _forward_ticks_of_stage_0(stream, M)
+    for t in range(1, STREAM_BATCHES - 2):
+        window = _window(stream, starts, t, M)
+        if window == _window(stream, starts, t + 1, M):
+            assert all(a is None or -M <= a.microbatch < M for row in window for a in row)
+            return Table("2bw", S, M, 1, window)
+    raise ValueError(f"2bw with S={S}, M={M} reaches no steady state")
+
+
+def without(table: Table, previous: bool) -> Table:
+    """The window with the previous step's actions (previous=True: the first step, which fills the
+    pipeline) or the step's own (False: the drain after the last step, trailing idle ticks cut) idle."""
+    keep = (lambda a: a.microbatch >= 0) if previous else (lambda a: a.microbatch < 0)
+    ticks = [tuple(a if a is not None and keep(a) else None for a in row) for row in table.ticks]
+    while not previous and ticks and all(a is None for a in ticks[-1]):
+        ticks.pop()
+    return dataclasses.replace(table, ticks=tuple(ticks))
+
+
+def run_tables(stages: int, microbatches: int, steps: int) -> list[Table]:
+    """A 2BW run of `steps` steps as its programs run it: the first step fills the pipeline, the
+    steps after it are the steady window, and a drain after the last finishes its microbatches."""
+    window = steady_window(stages, microbatches)
+    return [without(window, previous=True)] + [window] * (steps - 1) + [without(window, previous=False)]
+
+
+def run_idle_fraction(tables: list[Table]) -> float:
+    """Idle stage-ticks over all stage-ticks of consecutive tables (a whole 2BW run)."""
+    total = sum(len(t.ticks) * t.stages for t in tables)
+    return sum(a is None for t in tables for row in t.ticks for a in row) / total
+
+
+def two_steps(stages: int, microbatches: int) -> Table:
+    """Two consecutive steady 2BW windows as one table (`jaxpar schedule --schedule 2bw`), the
+    microbatches numbered from the first window's previous step: 0 .. 3M-1."""
+    M = microbatches
+    window = steady_window(stages, M)
+    shift = lambda a, by: None if a is None else Action(a.kind, a.microbatch + by, a.chunk)  # noqa: E731
+    ticks = tuple(tuple(shift(a, M) for a in row) for row in window.ticks)
+    ticks += tuple(tuple(shift(a, 2 * M) for a in row) for row in window.ticks)
+    return dataclasses.replace(window, ticks=ticks)
+
+
+def carried_stash_size(stages: int, microbatches: int) -> int:
+    """Stash slots for 2BW's endless stream: the fewest K (slot = microbatch % K) that overwrite no
+    live value over several steps of the stream, rounded up to a divisor of M, so that a microbatch
+    keeps its slot when the next window numbers it M lower."""
+    K = stash_size(build("1f1b", stages, microbatches * 3))
+    return min(d for d in range(K, microbatches + 1) if microbatches % d == 0)

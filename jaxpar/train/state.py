@@ -22,3 +22,18 @@ class TrainState:
     loss_scale: LossScale
     stale_params: nnx.State | None = None  # PipeDream-2BW: the weights one step old (None otherwise)
     outer: object = None  # local SGD with parallel.outer=nesterov: its OuterState (None otherwise)
+    in_flight: InFlight | None = None  # PipeDream-2BW on stages: what one step leaves to the next (None otherwise)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """What a 2BW step leaves to the next (jaxpar.parallel.two_bw): the stash of its microbatches still
+    in the pipeline and its partial sums, each device's own (carry); its batch as the step prepared it,
+    and the rows' routing-noise keys (or None); and whether there is any (live: False before the first
+    step and after the drain)."""
+
+    carry: object
+    batch: object
+    noise_B: jax.Array | None
+    live: jax.Array

@@ -39,6 +39,7 @@ from jaxpar.train.optim import Optimizer
 from jaxpar.train.saved_run import read_run_weights
 from jaxpar.train.state import TrainState
 from jaxpar.train.step import make_eval_step, make_train_step
+from jaxpar.train.two_bw_step import in_flight_specs, make_two_bw_step
 
 
 class Trainer:
@@ -92,22 +93,64 @@ class Trainer:
         self.strategy, self.state_shardings = strategy, state_shardings
         self.param_shardings = layout.named(layout.param_specs(abstract_params))
         self.batch_sharding, self.replicated = layout.batch_sharding(), NamedSharding(mesh, PartitionSpec())
+        self.in_flight_shapes = None
+        if pipeline.carries:  # 2BW: what a step leaves in flight is part of the state, its shapes traced once
+            self.in_flight_shapes = jax.eval_shape(self._two_bw_step(), self.abstract_state(), self.abstract_batch(),
+                                                   True)[0].in_flight
+            self.state_shardings = dataclasses.replace(
+                state_shardings, in_flight=layout.named(in_flight_specs(layout, self.in_flight_shapes)))
+            self.__dict__.pop("_create_fresh", None)  # traced above with the state's shardings before this
+
+    def _two_bw_step(self):
+        return make_two_bw_step(self.graphdef, self.optimizer, self.cfg, self.state_layout, self.pipeline,
+                                self.precision)
 
     def _compile_steps(self):
         """(step(state, tokens_BT) -> (state, metrics), eval_loss(params, tokens_BT) -> loss), both jitted
         (compiled when first called). With trace_routing the step's third argument, the decisions to
         replay or None, is split by rows like the batch."""
+        if self.pipeline.carries:
+            return self._compile_two_bw(), self._compile_eval()
         train_step = self.strategy.step(make_train_step(self.graphdef, self.optimizer, self.cfg, self.state_layout,
                                                         self.pipeline, self.precision, self.trace_routing))
         replayed = (self.batch_sharding,) if self.trace_routing else ()
         step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding, *replayed),
                        out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
+        return step, self._compile_eval()
+
+    def _compile_eval(self):
         eval_step = make_eval_step(self.graphdef, self.precision, self.layout, self.pipeline,
                                    self.cfg.train.loss_chunks)
         eval_loss = jax.jit(lambda params, tokens_BT: eval_step(self.weights(params), tokens_BT),
                             in_shardings=(self.state_shardings.params, self.batch_sharding),
                             out_shardings=self.replicated)
-        return step, eval_loss
+        return eval_loss
+
+    def _compile_two_bw(self):
+        """2BW's step(state, batch) (its metrics the previous step's) and `drain`, the same program with no
+        batch of its own (jaxpar.train.two_bw_step)."""
+        window = jax.jit(self._two_bw_step(), in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
+                         out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
+        self._window, self._last_batch = window, None
+
+        def step(state, batch):
+            self._last_batch = batch
+            return window(state, batch, True)
+
+        step.lower = lambda state, batch: window.lower(state, batch, True)
+        return step
+
+    @property
+    def lags(self) -> bool:
+        """Whether a step's metrics are the previous step's and a drain finishes the run (2BW on stages)."""
+        return self.pipeline.carries
+
+    def drain(self, state):
+        """2BW: finish the microbatches the last step left in flight and apply their update; returns (the
+        state, that step's metrics). The state after it holds nothing in flight."""
+        if self._last_batch is None:
+            raise ValueError("drain() follows a step: the drain's program takes the last step's batch shape")
+        return self._window(state, self._last_batch, False)
 
     def initial_state(self, params) -> TrainState:
         """The state around `params` (model order; traced): optimizer and loss-scale state, 2BW's
@@ -115,6 +158,9 @@ class Trainer:
         params = self.pipeline.from_model_order(params)
         state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.tx.init(trainable(params)),
                            LossScale.initial(self.precision), params if self.pipeline.stale_weights else None)
+        if self.in_flight_shapes is not None:
+            state = dataclasses.replace(state, in_flight=jax.tree.map(
+                lambda a: jnp.zeros(a.shape, a.dtype), self.in_flight_shapes))
         return self.strategy.initial(state)
 
     def fresh_params(self) -> nnx.State:
@@ -222,7 +268,11 @@ class Trainer:
         2BW's stale weights as this config needs: a fresh copy of the current ones)."""
         stale = ((state.stale_params if state.stale_params is not None else state.params)
                  if self.pipeline.stale_weights else None)
-        return jax.device_put(dataclasses.replace(state, stale_params=stale), self.state_shardings)
+        in_flight = None
+        if self.in_flight_shapes is not None:  # a state from another layout has nothing in flight here
+            in_flight = state.in_flight or jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), self.in_flight_shapes)
+        return jax.device_put(dataclasses.replace(state, stale_params=stale, in_flight=in_flight),
+                              self.state_shardings)
 
     def abstract_batch(self):
         """The shapes, dtypes and sharding of one step's batch: a token array, or packed rows (GRPO's

@@ -91,12 +91,24 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
     # GRPO's loss is a mean of terms of order 1 (the advantages have unit spread in each group) that cancel
     # to about 0 where the ratio is 1: its error is measured against that order, not against the near-0 sum
     loss_floor = 1.0 if cfg.train.objective == "grpo" else 1e-30
-    for index in range(cfg.train.steps):
-        batch, ref_batch = batches(index, state, ref_state)
-        if routing is None:
+    waiting = []  # 2BW: a step's metrics are the previous step's, and the reference trails it by one
+    for index in range(cfg.train.steps + layout.lags):
+        if layout.lags:
+            if index < cfg.train.steps:
+                batch, ref_batch = batches(index, state, ref_state)
+                state, metrics = layout.step(state, batch)
+                waiting.append(ref_batch)
+            else:
+                state, metrics = layout.drain(state)
+            if index == 0:
+                continue
+            ref_state, ref_metrics = reference.step(ref_state, waiting.pop(0))
+        elif routing is None:
+            batch, ref_batch = batches(index, state, ref_state)
             state, metrics = layout.step(state, batch)
             ref_state, ref_metrics = reference.step(ref_state, ref_batch)
         else:
+            batch, ref_batch = batches(index, state, ref_state)
             state, metrics = layout.step(state, batch, None)
             codes = routing.codes(jax.device_get(metrics))
             ref_state, ref_metrics = reference.step(ref_state, ref_batch,
@@ -104,7 +116,7 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
             routing.add(index, codes, jax.device_get(ref_metrics))
         loss, ref_loss = float(metrics["loss"]), float(ref_metrics["loss"])
         loss_errors.append(abs(loss - ref_loss) / max(abs(ref_loss), loss_floor))
-        log(f"step {index + 1}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}")
+        log(f"step {index + 1 - layout.lags}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}")
 
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
     errors = {key: _rel(np.asarray(a), np.asarray(ref[key])) for ref in [flat_by_path(ref_params)]
