@@ -103,11 +103,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = _load(args.settings)
     session = on_devices(cfg, setup_devices(cfg))  # shapes only: no data is read, so any seq_len plans
-    from jaxpar.plan.memory import format_report, measure_step
+    from jaxpar.plan.memory import format_report, gpipe_beside_naive, measure_step
     from jaxpar.train.trainer import Trainer
 
     trainer = Trainer(session)
-    plan = measure_step(trainer)
+    plan = {**measure_step(trainer), **gpipe_beside_naive(trainer, lambda c: Trainer(on_devices(c, session.devices)))}
     if args.hardware:
         from jaxpar.plan.calibrate import profile
         from jaxpar.plan.roofline import predict_layout
@@ -172,17 +172,18 @@ def _plan_search(args: argparse.Namespace) -> int:
 def cmd_schedule(args: argparse.Namespace) -> int:
     from jaxpar.config.command_flags import check_schedule_flags
     from jaxpar.parallel.schedule_timing import Costs
-    from jaxpar.parallel.schedules import SCHEDULES, build
-    from jaxpar.plan.schedule_chart import draw, summary, text_chart
+    from jaxpar.parallel.schedules import SCHEDULES
+    from jaxpar.plan.schedule_chart import chart_table, draw, run_summary, summary, text_chart
 
     costs = Costs(*check_schedule_flags(args.schedule, args.stages, args.microbatches, args.virtual, SCHEDULES,
                                         args.costs))
-    table = build(args.schedule, args.stages, args.microbatches, args.virtual)
+    table = chart_table(args.schedule, args.stages, args.microbatches, args.virtual)
     print(text_chart(table))
     if args.out:
         draw(table, args.out, costs)
         print(f"chart written to {args.out}")
-    print(json.dumps(summary(table, costs)))
+    runs = run_summary(args.stages, args.microbatches, args.steps) if args.schedule == "2bw" else {}
+    print(json.dumps({**summary(table, costs), **runs}))
     return 0
 
 
@@ -293,13 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "checkpoint's, re-plan the layout and keep the global batch")
     _add_plan(sub)
     p = _add_command(sub, "schedule", cmd_schedule, "draw a pipeline schedule and print its idle fraction")
-    p.add_argument("--schedule", required=True, help="gpipe, 1f1b, interleaved, 2bw, zb-h1 or zbv")
+    p.add_argument("--schedule", required=True, help="naive, gpipe, 1f1b, interleaved, 2bw, zb-h1 or zbv")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
     p.add_argument("--microbatches", type=int, required=True, help="microbatches M per step")
     p.add_argument("--virtual", type=int, default=1, help="chunks per device v (interleaved)")
     p.add_argument("--costs", default="1,1,1", metavar="F,B,W",
                    help="what one chunk's forward, input backward and weight backward cost (a fused backward: B + W)")
     p.add_argument("--out", help="write the Gantt chart to this PNG")
+    p.add_argument("--steps", type=int, default=10, help="2bw: the run's steps for its idle fraction (default 10)")
     _add_command(sub, "verify", cmd_verify, "compare a layout against the single-device reference", reads_config=True)
     p = _add_command(sub, "tokenize", cmd_tokenize, "train a byte-level BPE tokenizer (or apply one) and write token "
                                                     "shards for data.source")

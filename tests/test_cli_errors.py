@@ -43,6 +43,8 @@ BAD_INPUTS = {
     "layers not divisible by virtual stages": (
         ["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.virtual=4"],
         "is not divisible by mesh.stage x virtual"),
+    "naive with microbatches": (["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=naive"],
+                                "no microbatches: set parallel.pipeline.microbatches=1 (got 4)."),
     "1f1b with fewer microbatches than stages": (["mesh.data=2", "mesh.stage=4", "parallel.pipeline.microbatches=2"],
                                                  "needs at least as many microbatches as stages"),
     "batch not divisible by microbatches x data": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.microbatches=16"],
@@ -141,7 +143,7 @@ def test_bad_input_exits_2_with_one_sentence(case, command, tmp_path, capsys):
 # the flags of `jaxpar schedule` and `jaxpar launch` -> the whole sentence
 BAD_FLAGS = {
     "unknown schedule": (["schedule", "--schedule", "zigzag", "--stages", "4", "--microbatches", "8"],
-                         "--schedule must be one of gpipe, 1f1b, interleaved, 2bw, zb-h1, zbv, got 'zigzag'."),
+                         "--schedule must be one of naive, gpipe, 1f1b, interleaved, 2bw, zb-h1, zbv, got 'zigzag'."),
     "no stages": (["schedule", "--schedule", "gpipe", "--stages", "0", "--microbatches", "8"],
                   "--stages, --microbatches and --virtual must be positive."),
     "virtual without interleaving": (["schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
@@ -149,6 +151,9 @@ BAD_FLAGS = {
     "interleaved microbatches": (["schedule", "--schedule", "interleaved", "--stages", "4", "--microbatches", "6",
                                   "--virtual", "2"],
                                  "interleaved 1F1B needs --microbatches to be a multiple of --stages (4)."),
+    "naive microbatches": (["schedule", "--schedule", "naive", "--stages", "4", "--microbatches", "8"],
+                           "the naive schedule runs one batch through the stages, no microbatches: give "
+                           "--microbatches 1 (got 8)."),
     "zbv microbatches": (["schedule", "--schedule", "zbv", "--stages", "4", "--microbatches", "3"],
                          "the zbv schedule needs at least as many microbatches as stages, got --microbatches 3 < "
                          "--stages 4."),

@@ -11,7 +11,8 @@ from jaxpar.train import verify as verify_module
 from jaxpar.train.verify import verify
 
 TABLES = [(s, S, M, 1) for s in ("gpipe", "1f1b", "2bw") for S in (2, 3, 4) for M in (S, 2 * S, 8)] + [
-    ("interleaved", S, M, v) for S in (2, 4) for M in (S, 2 * S, 4 * S) for v in (2, 3)]
+    ("interleaved", S, M, v) for S in (2, 4) for M in (S, 2 * S, 4 * S) for v in (2, 3)] + [
+    ("naive", S, 1, 1) for S in (2, 3, 4)]
 
 
 @pytest.mark.parametrize("schedule, S, M, v", TABLES)
@@ -39,6 +40,24 @@ def test_table_respects_dependencies_and_the_bubble_formula(schedule, S, M, v):
         assert stash_size(table) <= S
     if schedule == "gpipe":
         assert table.in_flight(0) == M
+
+
+@pytest.mark.parametrize("S", [2, 4, 8])
+def test_naive_runs_one_batch_forward_through_the_stages_then_back(S):
+    table = build("naive", S, 1)
+    assert [[(a.kind, a.chunk) for a in row if a is not None] for row in table.ticks] == (
+        [[("F", s)] for s in range(S)] + [[("B", s)] for s in reversed(range(S))])
+    assert table.idle_fraction == (S - 1) / S  # each stage busy 2 ticks of 2S
+
+
+def test_naive_schedule_cli_draws_it(tmp_path, capsys):
+    from jaxpar.cli import main
+
+    out = tmp_path / "naive.png"
+    assert main(["schedule", "--schedule", "naive", "--stages", "4", "--microbatches", "1", "--out", str(out)]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["schedule"] == "naive" and last["idle_fraction"] == last["theoretical_idle_fraction"] == 0.75
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_schedule_cli_reports_idle_fraction_and_draws(tmp_path, capsys):
@@ -69,6 +88,7 @@ QUICK_LAYOUTS = [  # 4 layers: a chunk of one layer for each of the 2 x 2 virtua
      "parallel.pipeline.virtual=2"],
 ]
 SLOW_LAYOUTS = [
+    ["parallel.pipeline.schedule=naive", "mesh.stage=4", "mesh.data=2", "parallel.pipeline.microbatches=1"],
     ["parallel.pipeline.schedule=gpipe", "mesh.stage=4", "mesh.data=2", "parallel.pipeline.microbatches=8",
      "train.remat=full", "parallel.zero=1", "train.loss_chunks=4"],
     ["parallel.pipeline.schedule=interleaved", "mesh.stage=4", "mesh.data=2", "parallel.pipeline.microbatches=8",
@@ -138,6 +158,23 @@ def test_pipeline_idle_fraction_is_in_the_metrics(session_for):
     lines = (session.cfg.run.dir + "/metrics.jsonl")
     records = [json.loads(line) for line in open(lines).read().splitlines()]
     assert records[-1]["pipeline_idle_fraction"] == pytest.approx(3 / 11)
+
+
+@pytest.mark.slow
+def test_plan_of_naive_shows_gpipe_beside_it(capsys):
+    """`jaxpar plan` of a naive layout compiles GPipe with M = mesh.stage on its mesh too. GPipe's scan keeps
+    every forward tick's residuals, idle or not: naive (S ticks of the whole batch) holds more than GPipe at
+    M = S (2S - 1 ticks of a quarter of it)."""
+    from jaxpar.cli import main
+
+    assert main(["plan", *SMALL_MODEL, "mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=naive",
+                 "parallel.pipeline.microbatches=1"]) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out.strip().splitlines()[-1])
+    beside = plan["gpipe_beside"]
+    assert beside["microbatches"] == 4 and 0 < beside["temp_bytes"] < plan["temp_bytes"]
+    assert any(line.startswith("  gpipe M=4: temporaries") and f"{beside['temp_bytes']:,d}" in line
+               for line in out.splitlines())
 
 
 @pytest.mark.slow

@@ -156,7 +156,7 @@ class TrainConfig:
 class PipelineConfig:
     """Pipeline parallelism over mesh.stage: schedule, microbatches per step, virtual stages per device."""
 
-    schedule: Literal["gpipe", "1f1b", "interleaved", "2bw", "zb-h1", "zbv"] = "1f1b"
+    schedule: Literal["naive", "gpipe", "1f1b", "interleaved", "2bw", "zb-h1", "zbv"] = "1f1b"
     microbatches: int = 4
     virtual: int = 1
     recompute: bool = False  # 1F1B-type schedules: redo each forward in backward, keep only its input

@@ -25,6 +25,9 @@ def check_schedule_flags(schedule: str, stages: int, microbatches: int, virtual:
         raise ConfigError(f"--virtual {virtual} needs --schedule interleaved.")
     if schedule == "interleaved" and microbatches % stages:
         raise ConfigError(f"interleaved 1F1B needs --microbatches to be a multiple of --stages ({stages}).")
+    if schedule == "naive" and microbatches > 1:
+        raise ConfigError(f"the naive schedule runs one batch through the stages, no microbatches: give "
+                          f"--microbatches 1 (got {microbatches}).")
     if schedule == "zbv" and microbatches < stages:
         raise ConfigError(f"the zbv schedule needs at least as many microbatches as stages, got --microbatches "
                           f"{microbatches} < --stages {stages}.")

@@ -1,5 +1,5 @@
 """Pipeline parallelism over mesh.stage: the stacked layers split into stages, run by a schedule
-(parallel.pipeline: gpipe, 1f1b, 2bw, interleaved, zb-h1, zbv) over microbatches."""
+(parallel.pipeline: naive, gpipe, 1f1b, 2bw, interleaved, zb-h1, zbv) over microbatches."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
 
 def _schedule_checks(cfg: Config, sizes: dict[str, int], v: int) -> Checks:
     p, S = cfg.parallel.pipeline, sizes["stage"]
+    if p.schedule == "naive" and p.microbatches > 1:
+        yield ("the naive schedule runs one batch through the stages, no microbatches: set "
+               f"parallel.pipeline.microbatches=1 (got {p.microbatches}).")
     if p.schedule in ("zb-h1", "zbv") and p.recompute:
         yield (f"parallel.pipeline.recompute=true is for 1F1B-type schedules; {p.schedule} keeps the "
                "forward's residuals for its split backward (train.remat keeps fewer).")

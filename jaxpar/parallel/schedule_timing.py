@@ -46,7 +46,8 @@ def timeline(table: Table, cost: Callable[[Action], float]) -> list[list[tuple[A
         for s, action in enumerate(row):
             if action is None:
                 continue
-            start = max([free[s]] + [end[d] for d in _inputs(action, last)])
+            # (an input from before the table, 2BW's previous step, is done when the table starts)
+            start = max([free[s]] + [end.get(d, 0.0) for d in _inputs(action, last)])
             end[action] = free[s] = start + cost(action)
             out[s].append((action, start, end[action]))
     return out
@@ -81,9 +82,9 @@ def bubble(table: Table, cost: Callable[[Action], float]) -> float:
 def paper_bubble(schedule: str, stages: int, costs: Costs) -> float:
     """Qi et al.'s bubble formulas, with `costs` those of one chunk's actions: (S-1)(F+B+W) for
     1F1B-type schedules (interleaved too: its chunks are v times smaller), (S-1)(F+B-W) for ZB-H1
-    (when W <= F + B), and none for ZB-V (with at least 2S-1 microbatches)."""
+    (when W <= F + B), and none for ZB-V (with at least 2S-1 microbatches) or 2BW's steady state."""
     F, B, W = costs.forward, costs.backward, costs.weight
-    if schedule == "zbv":
+    if schedule in ("zbv", "2bw"):  # 2bw: in the steady state, its pipeline never drains
         return 0.0
     if schedule == "zb-h1":
         return (stages - 1) * max(F + B - W, 0.0)
@@ -95,7 +96,10 @@ def formula_idle_fraction(schedule: str, stages: int, microbatches: int, virtual
     the 1F1B family; for ZB-H1, 3M ticks of work per stage and the paper's bubble of S-1 ticks,
     (S-1)/(3M+S-1); for ZB-V (two chunks per stage, 6M ticks of work, no bubble inside a stage's
     span from M >= 2S-1 on), (S-1)/(6M+S-1): only the S-1 ticks the last stage waits for its first
-    input. No schedule whose stages all start after their first input arrives can idle less."""
+    input. No schedule whose stages all start after their first input arrives can idle less. 2BW's
+    steady state idles not at all: the next step's warm-up fills the step's cool-down."""
+    if schedule == "2bw":
+        return 0.0
     if schedule == "zb-h1":
         return (stages - 1) / (3 * microbatches + stages - 1)
     if schedule == "zbv":

@@ -13,6 +13,7 @@ import math
 
 import jax
 
+from jaxpar.errors import UserError
 from jaxpar.model.adapters import trainable
 from jaxpar.parallel.context import blocks_per_rank
 from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts, compiled_branches
@@ -102,6 +103,23 @@ def measure_step(trainer) -> dict:
     }
 
 
+def gpipe_beside_naive(trainer, trainer_for) -> dict:
+    """For a naive layout (one batch through the stages): GPipe's temporaries on the same mesh with
+    M = mesh.stage microbatches, compiled from that variant of the config by trainer_for(cfg) (temp_bytes
+    None, and why, where that variant is not valid); {} for any other layout."""
+    table = trainer.pipeline.table
+    if table is None or table.schedule != "naive":
+        return {}
+    M = table.stages
+    try:
+        gpipe = trainer_for(trainer.cfg.replace(**{"parallel.pipeline.schedule": "gpipe",
+                                                   "parallel.pipeline.microbatches": M}))
+    except UserError as e:
+        return {"gpipe_beside": {"microbatches": M, "temp_bytes": None, "why": str(e)}}
+    compiled = gpipe.compile_step(PLAN_COMPILER_OPTIONS.get(gpipe.mesh.devices.flat[0].platform))
+    return {"gpipe_beside": {"microbatches": M, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes)}}
+
+
 def _context_balance(trainer) -> dict:
     """With mesh.context > 1: the block pairs of attention each context rank computes per sequence, as
     the schedule runs them (jaxpar.parallel.context), and their max / mean."""
@@ -120,6 +138,9 @@ def format_report(plan: dict) -> str:
             ("gradients (after reduction)", plan["grads_bytes"]), ("temporaries / activations", plan["temp_bytes"]),
             ("arguments (state + batch)", plan["argument_bytes"]), ("outputs", plan["output_bytes"]),
             ("total (arguments + temporaries)", plan["argument_bytes"] + plan["temp_bytes"])]
+    beside = plan.get("gpipe_beside", {})
+    if beside.get("temp_bytes") is not None:  # a naive layout, beside GPipe's temporaries on its mesh
+        rows.insert(4, (f"  gpipe M={beside['microbatches']}: temporaries", beside["temp_bytes"]))
     lines = [f"{'per device':<32}{'bytes':>18}{'MiB':>12}"]
     lines += [f"{name:<32}{value:>18,d}{value / mib:>12.2f}" for name, value in rows]
     if any(plan["host_bytes"].values()):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxpar.parallel.schedule_timing import Costs, bubble, formula_idle_fraction, idle_fraction, paper_bubble, timeline
-from jaxpar.parallel.schedules import Table
+from jaxpar.parallel.schedules import Table, build, run_idle_fraction, run_tables, two_steps
 
 _FORWARD = ("#4C72B0", "#8FAADC")   # by local chunk (interleaved, zbv): dark, light
 _BACKWARD = ("#DD8452", "#F4B183")
@@ -43,7 +43,9 @@ def draw(table: Table, path: str | Path, costs: Costs = UNIT) -> None:
     colours = {"F": _FORWARD, "B": _BACKWARD, "W": _WEIGHT}
     for s, stage in enumerate(spans):
         for action, start, stop in stage:
-            color = colours[action.kind][table.local_chunk(action.chunk) % 2]
+            # shades: a stage's chunks (interleaved, zbv), or 2BW's consecutive steps
+            shade = action.microbatch // table.microbatches if table.schedule == "2bw" else table.local_chunk(action.chunk)
+            color = colours[action.kind][shade % 2]
             ax.broken_barh([(start, stop - start)], (table.stages - 1 - s, 0.9), facecolors=color, edgecolor="white",
                            linewidth=0.6)
             ax.text((start + stop) / 2, table.stages - 1 - s + 0.45, str(action.microbatch), ha="center",
@@ -55,7 +57,8 @@ def draw(table: Table, path: str | Path, costs: Costs = UNIT) -> None:
     ax.set_xlabel(f"time (one chunk's F = {costs.forward:g}, B = {costs.backward:g}, W = {costs.weight:g}"
                   + ("" if table.split_backward else "; a backward is B + W") + ")")
     virtual = f", v={table.virtual}" if table.virtual > 1 else ""
-    ax.set_title(f"{table.schedule}: S={table.stages}, M={table.microbatches}{virtual}, "
+    steps = ", steady state over two steps (shades: steps)" if table.schedule == "2bw" else ""
+    ax.set_title(f"{table.schedule}{steps}: S={table.stages}, M={table.microbatches}{virtual}, "
                  f"idle fraction {idle_fraction(table, costs.of(table)):.4f}", fontsize=10)
     handles = [Patch(color=_FORWARD[0], label="forward"),
                Patch(color=_BACKWARD[0], label="backward (input)" if table.split_backward else "backward")]
@@ -67,6 +70,19 @@ def draw(table: Table, path: str | Path, costs: Costs = UNIT) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_png(fig, path)
+
+
+def chart_table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
+    """The table `jaxpar schedule` draws: one step, or for 2bw two steps of its steady state (microbatches
+    numbered from the first step's previous one: 0 .. 3M-1)."""
+    return two_steps(stages, microbatches) if schedule == "2bw" else build(schedule, stages, microbatches, virtual)
+
+
+def run_summary(stages: int, microbatches: int, steps: int) -> dict:
+    """2BW over a run of `steps` steps: the first fills the pipeline and a drain empties it after the last,
+    against 1F1B, which fills and drains at every step."""
+    return {"run_steps": steps, "run_idle_fraction": run_idle_fraction(run_tables(stages, microbatches, steps)),
+            "1f1b_idle_fraction": build("1f1b", stages, microbatches).idle_fraction}
 
 
 def summary(table: Table, costs: Costs = UNIT) -> dict:

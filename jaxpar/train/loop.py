@@ -183,6 +183,7 @@ class _StepLog:
         packing_efficiency, the share of token slots holding document tokens, which tokens/s counts
         alone; a mixture's share/<folder>)."""
         values = {k: v.tolist() for k, v in jax.device_get(metrics).items()}  # scalars, or lists (per expert)
+        values.pop("completed", None)  # 2BW: whether a step completed the previous one (jaxpar.train.two_bw_step)
         if val_losses is not None:
             values.update(validation_metrics(val_losses, self.session))
         if "source_loss" in values:  # a mixture: each source's mean loss over its counted targets
@@ -238,20 +239,27 @@ def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, 
     agreement = StopAgreement()  # every process of a multi-process run stops at the same step
     feed = feed_for(session, trainer)
     with StopSignals() as signals:
-        pending = None
+        pending, previous_rows = None, {}
         for index in range(start, t.steps):
             batch, rows = feed.batch(index, state)
             state, metrics = trainer.step(state, batch)
             if pending is not None:
                 log.finish(*pending)
             step = index + 1
-            # dispatched now, on this step's weights; read with its metrics
-            val = validation_losses(trainer, state.params, session) if _evaluated(step, t) else None
-            pending = (step, metrics, val, rows)
+            # 2BW: a step completes the previous one (its metrics and update), and its own batch stays in flight
+            done = step - trainer.lags
+            if trainer.lags and index == start and not jax.device_get(metrics["completed"]):
+                done = 0  # the first step after a start or a drain only fills the pipeline
+            # dispatched now, on the weights of step `done`; read with its metrics
+            val = validation_losses(trainer, state.params, session) if done and _evaluated(done, t) else None
+            pending = (done, metrics, val, previous_rows if trainer.lags else rows) if done else None
+            previous_rows = rows
             stopping = agreement.should_stop(step, signals.received is not None)
+            stopping = stopping and not (trainer.lags and step == t.steps)  # 2BW: the drain finishes the run
             if saves.due(step, stopping):
                 # Read this step's metrics first: only a finite step is checkpointed.
-                log.finish(*pending)
+                if pending is not None:
+                    log.finish(*pending)
                 pending = None
                 saves.save(step, state, stopping)
             if stopping:
@@ -260,6 +268,10 @@ def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, 
         if pending is not None:
             log.finish(*pending)
     if stopped_by is None and start < t.steps:
+        if trainer.lags:  # the drain finishes the last step: its update and metrics
+            state, metrics = trainer.drain(state)
+            val = validation_losses(trainer, state.params, session) if _evaluated(t.steps, t) else None
+            log.finish(t.steps, metrics, val, previous_rows)
         saves.final(t.steps, state)
     return state, step, stopped_by
 
@@ -281,7 +293,8 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
              f"in {where}")
     else:
         state, start = trainer.init(), 0
-    history = trim_metrics(metrics_path, start, cfg) if primary else _kept_metrics(metrics_path, start, cfg)
+    logged = trainer.completed(state, start)  # 2BW: the step in flight is logged by the next one
+    history = trim_metrics(metrics_path, logged, cfg) if primary else _kept_metrics(metrics_path, logged, cfg)
     board = None
     if cfg.run.tensorboard and primary:
         board = TensorBoardWriter(run_dir, start)

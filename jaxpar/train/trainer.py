@@ -145,6 +145,12 @@ class Trainer:
         """Whether a step's metrics are the previous step's and a drain finishes the run (2BW on stages)."""
         return self.pipeline.carries
 
+    def completed(self, state, step: int) -> int:
+        """The steps whose metrics and update a state saved after `step` steps holds: under 2BW one fewer
+        while a batch is in flight."""
+        live = self.lags and state.in_flight is not None and bool(jax.device_get(state.in_flight.live))
+        return step - live
+
     def drain(self, state):
         """2BW: finish the microbatches the last step left in flight and apply their update; returns (the
         state, that step's metrics). The state after it holds nothing in flight."""
