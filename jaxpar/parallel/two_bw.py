@@ -10,8 +10,9 @@ zero (the loss and statistics likewise at the first forward). What a window leav
 stash of inputs, cotangents and residuals and the step's partial sums, is the next window's start.
 
 The first step has no previous microbatches (`live` False: their ticks idle) and the drain after the
-last step has no own ones (`has_current` False): it runs only the ticks up to the previous step's
-last action.
+last step has no own ones (`has_current` False): the same program, whose ticks after the previous
+step's last action are empty (an idle branch and two sends of zeros), so one compiled program serves
+every step of a run.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from jaxpar.model.adapters import trainable, with_frozen, zero_grad
 from jaxpar.parallel.one_f_one_b import Stash, _OneFOneB
 from jaxpar.parallel.pipeline import IDLE, microbatch
-from jaxpar.parallel.schedules import Table, carried_stash_size, without
+from jaxpar.parallel.schedules import Table, carried_stash_size
 
 
 def _first_tick(table: Table, kind: str) -> np.ndarray:
@@ -51,7 +52,6 @@ class _SteadyWindow(_OneFOneB):
         self.M = table.microbatches
         previous = np.asarray([[a is not None and a.microbatch < 0 for a in row] for row in table.ticks])
         self.branch = jnp.where(jnp.where(previous, ~live, ~has_current), IDLE, self.branch)
-        self.length = jnp.where(has_current, len(table.ticks), len(without(table, previous=False).ticks))
         self.bank_b = jnp.asarray(_first_tick(table, "B"))[self.s]
         self.bank_f = jnp.asarray(_first_tick(table, "F"))[self.s]
 
@@ -81,7 +81,7 @@ class _SteadyWindow(_OneFOneB):
         stash, grads, loss_sum, stats_sum = carry
         grads = with_frozen(zeros, grads)
 
-        def body(t, c):
+        def body(c, t):
             sums, banked = c
             stash, grads, loss_sum, stats_sum = sums
             at_b, at_f = t == self.bank_b, t == self.bank_f
@@ -89,18 +89,14 @@ class _SteadyWindow(_OneFOneB):
             grads = _select(at_b, zeros, grads)
             loss_sum, stats_sum = _select(at_f, (jnp.zeros_like(loss_sum), self.no_stats), (loss_sum, stats_sum))
             sums, _ = self.tick((stash, grads, loss_sum, stats_sum), t)
-            return sums, banked
+            return (sums, banked), None
 
         banked0 = (zeros, jnp.zeros((), jnp.float32), self.no_stats)
-        sums, banked = jax.lax.fori_loop(0, self.length, body, ((stash, grads, loss_sum, stats_sum), banked0))
+        init = ((stash, grads, loss_sum, stats_sum), banked0)
+        (sums, banked), _ = jax.lax.scan(body, init, jnp.arange(len(self.table.ticks)))
         stash, grads, loss_sum, stats_sum = sums
-        # A stage that never reached its bank tick (the drain) holds the previous step's sums unbanked.
-        reached_b, reached_f = self.length > self.bank_b, self.length > self.bank_f
-        previous = (_select(reached_b, banked[0], grads), *_select(reached_f, banked[1:], (loss_sum, stats_sum)))
-        own = (_select(reached_b, grads, zeros), *_select(reached_f, (loss_sum, stats_sum),
-                                                           (jnp.zeros_like(loss_sum), self.no_stats)))
-        prev_grads, prev_loss, prev_stats = previous
-        return (prev_loss / self.M, prev_stats, prev_grads), (stash, trainable(own[0]), own[1], own[2])
+        prev_grads, prev_loss, prev_stats = banked
+        return (prev_loss / self.M, prev_stats, prev_grads), (stash, trainable(grads), loss_sum, stats_sum)
 
 
 def two_bw_window(fns, old, params, is_stacked, batch_2M, layer_ids, table: Table, carry, live, has_current,

@@ -131,14 +131,7 @@ class Trainer:
         batch of its own (jaxpar.train.two_bw_step)."""
         window = jax.jit(self._two_bw_step(), in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
                          out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
-        self._window, self._last_batch = window, None
-
-        def step(state, batch):
-            self._last_batch = batch
-            return window(state, batch, True)
-
-        step.lower = lambda state, batch: window.lower(state, batch, True)
-        return step
+        return WindowStep(window)
 
     @property
     def lags(self) -> bool:
@@ -154,9 +147,7 @@ class Trainer:
     def drain(self, state):
         """2BW: finish the microbatches the last step left in flight and apply their update; returns (the
         state, that step's metrics). The state after it holds nothing in flight."""
-        if self._last_batch is None:
-            raise ValueError("drain() follows a step: the drain's program takes the last step's batch shape")
-        return self._window(state, self._last_batch, False)
+        return self.step.drain(state)
 
     def initial_state(self, params) -> TrainState:
         """The state around `params` (model order; traced): optimizer and loss-scale state, 2BW's
@@ -299,6 +290,29 @@ class Trainer:
     def compile_step(self, compiler_options: dict | None = None):
         """Lower and compile the train step without running it (for plans and HLO checks)."""
         return self.step.lower(self.abstract_state(), self.abstract_batch()).compile(compiler_options)
+
+
+class WindowStep:
+    """2BW's jitted step as `Trainer.step` is called (state, batch), and its drain: the same program with
+    no batch of its own, which takes the last batch only for its shape."""
+
+    def __init__(self, window):
+        self.window, self.last_batch = window, None
+
+    def __call__(self, state, batch):
+        self.last_batch = batch
+        return self.window(state, batch, True)
+
+    def lower(self, state, batch):
+        return self.window.lower(state, batch, True)
+
+    def trace(self, state, batch):
+        return self.window.trace(state, batch, True)
+
+    def drain(self, state):
+        if self.last_batch is None:
+            raise ValueError("drain() follows a step: its program takes the last step's batch for its shape")
+        return self.window(state, self.last_batch, False)
 
 
 def _rngs(cfg: Config) -> nnx.Rngs:
