@@ -66,6 +66,8 @@ def _schedule_checks(cfg: Config, sizes: dict[str, int], v: int) -> Checks:
                f"multiple of mesh.stage={S}.")
     if cfg.train.grad_accum > 1:
         yield "with mesh.stage > 1, use parallel.pipeline.microbatches instead of train.grad_accum."
+    if p.schedule == "2bw":
+        yield from _two_bw_checks(cfg)
     ways = sizes["data"] * sizes["expert"] * p.microbatches
     if cfg.train.batch_size % ways:
         yield (f"train.batch_size={cfg.train.batch_size} is not divisible by mesh.data x mesh.expert x "
@@ -73,3 +75,18 @@ def _schedule_checks(cfg: Config, sizes: dict[str, int], v: int) -> Checks:
     if ZeroStage(cfg.parallel.zero).slices_replicated_weights and v > 1:
         yield (f"parallel.zero=2 with {'interleaved stages' if p.schedule == 'interleaved' else 'zbv'} "
                f"is not supported; use zero 1 or 3.")
+
+
+def _two_bw_checks(cfg: Config) -> Checks:
+    """What 2BW cannot carry from one step to the next: a step's microbatches start before the previous
+    step's gradient is judged (loss scaling), a step runs two versions of the weights (ZeRO-2's layers
+    look one up whole), and the weights trail the batches by a step (GRPO samples each batch from them)."""
+    if cfg.train.precision == "fp16":
+        yield ("2bw starts each step's microbatches before the previous step's gradient is checked, so fp16's "
+               "loss scale cannot follow it; use train.precision=bf16 or another schedule.")
+    if cfg.parallel.zero == 2:
+        yield ("parallel.zero=2 has each layer read the whole of one version of the weights, but a 2bw step runs "
+               "two; use parallel.zero=1 or 3.")
+    if cfg.train.objective == "grpo":
+        yield ("train.objective=grpo samples each batch from the current weights, which under 2bw trail the "
+               "batches by a step; use another schedule, such as 1f1b.")

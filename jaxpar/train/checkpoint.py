@@ -8,7 +8,10 @@ the resolved config and the shape of every array.
 Keying by path instead of by pytree type makes a checkpoint independent of the mesh, the
 ZeRO stage and the pipeline schedule. Stacked layers are saved in model order (interleaved
 pipelines store them permuted), and PipeDream-2BW's one-step-old weights are optional: a
-layout without them drops them, and a layout that needs them starts them as the weights.
+layout without them drops them, and a layout that needs them starts them as the weights. What
+2BW has in flight between steps is each device's own: only the layout that saved it restores a
+step in flight; a finished run's (nothing in flight) is dropped or started empty like the stale
+weights (jaxpar.train.checkpoint_fit).
 A restore builds its targets from the new layout's `eval_shape(init)` and
 `state_shardings`, so Orbax reads each shard straight onto its device, and nothing is
 gathered whole on one host.
@@ -34,16 +37,23 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxpar.config import Config, flatten_dict
-from jaxpar.errors import RunFailed, UserError
-from jaxpar.model.axes import path_names
+from jaxpar.config import flatten_dict
+from jaxpar.errors import RunFailed
 from jaxpar.runtime import distributed
+from jaxpar.train.checkpoint_fit import (
+    IN_FLIGHT,
+    PARAMS,
+    STALE,
+    CheckpointMismatch,
+    check_compatible,
+    drop_idle_flight,
+    flat_by_path,
+    in_flight_fits,
+    nest_by_path,
+    state_spec,
+)
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.state import TrainState
-
-
-class CheckpointMismatch(UserError):
-    """A checkpoint that cannot be restored into this config (another model shape, optimizer or seed)."""
 
 
 class RestoreFailed(RunFailed):
@@ -67,72 +77,8 @@ class Restored:
 
 
 
-def flat_by_path(tree) -> dict[str, object]:
-    """{'params/blocks/attn/w_qkv/value': leaf, ...} for any pytree (TrainState, shardings, ...)."""
-    return {"/".join(path_names(path)): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def nest_by_path(flat: dict[str, object]) -> dict:
-    """Turn {'a/b/c': x} into {'a': {'b': {'c': x}}}, the plain dict tree Orbax saves."""
-    out: dict = {}
-    for key, leaf in flat.items():
-        *parents, last = key.split("/")
-        node = out
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[last] = leaf
-    return out
-
-
 def _unnest(tree: dict) -> dict[str, object]:
     return flatten_dict(tree, sep="/")
-
-
-STALE, PARAMS = "stale_params/", "params/"
-
-
-def state_spec(state) -> dict[str, list]:
-    """Shape and dtype of every array of a (possibly abstract) state, keyed by path."""
-    return {key: [list(leaf.shape), str(leaf.dtype)] for key, leaf in flat_by_path(state).items()}
-
-
-def _must_match(config: dict) -> list[str]:
-    """Config keys that fix a checkpoint's contents (array shapes, optimizer state) or its data order.
-
-    Where the weights first came from (model.from_hf) may move; the shape it gave must match. The
-    routing settings of a mixture of experts (group size, capacity, loss weights) change no array, and the
-    automatic group size follows the tokens per device, so they may change with the layout on resume;
-    whether there are experts, how many and where, and the router (top-k alone has a noise weight) must
-    match."""
-    model = [f"model.{key}" for key in config["model"] if key not in ("moe", "from_hf")]
-    return model + ["model.moe.experts", "model.moe.every", "model.moe.router", "train.optimizer", "train.seed"]
-
-
-def _config_value(config: dict, dotted: str):
-    node = config
-    for key in dotted.split("."):
-        node = node.get(key, {}) if isinstance(node, dict) else None
-    return None if node == {} else node
-
-
-def check_compatible(meta: dict, cfg: Config, abstract_state, where: str) -> None:
-    """Raise CheckpointMismatch (one sentence) unless the checkpoint fits this config."""
-    saved, now = meta["config"], cfg.to_dict()
-    differ = [k for k in _must_match(now) if _config_value(saved, k) != _config_value(now, k)]
-    if differ:
-        then = ", ".join(f"{k}={_config_value(saved, k)}" for k in differ)
-        here = ", ".join(f"{k}={_config_value(now, k)}" for k in differ)
-        raise CheckpointMismatch(f"the checkpoint at step {meta['step']} in {where} was written with {then} but this "
-                                 f"config has {here}; resume with the same values or use another run.dir.")
-    # 2BW's stale weights may come and go with the layout; everything else must be there.
-    expected = {k: v for k, v in state_spec(abstract_state).items() if not k.startswith(STALE)}
-    saved_spec = {k: v for k, v in meta["spec"].items() if not k.startswith(STALE)}
-    if saved_spec != expected:
-        key = next(k for k in sorted(set(expected) | set(saved_spec)) if saved_spec.get(k) != expected.get(k))
-        raise CheckpointMismatch(f"the checkpoint at step {meta['step']} in {where} holds a different training state "
-                                 f"than this config builds (first difference: {key} is {saved_spec.get(key)} "
-                                 f"there and {expected.get(key)} here); use another run.dir.")
 
 
 def brief_error(error: BaseException) -> str:
@@ -343,7 +289,12 @@ class Checkpoints:
         shardings = flat_by_path(trainer.state_shardings)
         wanted = flat_by_path(abstract)
 
+        flight_fits = in_flight_fits(meta["spec"], state_spec(abstract))
+
         def target(key: str) -> jax.ShapeDtypeStruct:
+            if key.startswith(IN_FLIGHT) and not flight_fits:  # read whole, to see whether a step is in flight
+                shape, dtype = meta["spec"][key]
+                return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=trainer.replicated)
             like = key if key in wanted else PARAMS + key[len(STALE):]  # stale weights this layout drops
             return jax.ShapeDtypeStruct(wanted[like].shape, wanted[like].dtype, sharding=shardings[like])
 
@@ -351,7 +302,12 @@ class Checkpoints:
         targets = nest_by_path({key: target(key) for key in meta["spec"]})
         tree = self._read(step, state=ocp.args.StandardRestore(targets)).state
         arrays = _unnest(tree)
+        if not flight_fits:
+            drop_idle_flight(arrays, step, self.directory)
         for key in wanted.keys() - arrays.keys():
+            if key.startswith(IN_FLIGHT):  # 2BW on a state with nothing in flight: empty
+                arrays[key] = jax.jit(lambda a=wanted[key]: jnp.zeros(a.shape, a.dtype), out_shardings=shardings[key])()
+                continue
             # Only 2BW's stale weights can be missing (see check_compatible): they start as a copy of the weights.
             arrays[key] = jax.jit(jnp.copy, out_shardings=shardings[key])(arrays[PARAMS + key[len(STALE):]])
         state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), [arrays[key] for key in wanted])

@@ -103,7 +103,7 @@ class Trainer:
 
     def _two_bw_step(self):
         return make_two_bw_step(self.graphdef, self.optimizer, self.cfg, self.state_layout, self.pipeline,
-                                self.precision)
+                                self.precision, self.trace_routing)
 
     def _compile_steps(self):
         """(step(state, tokens_BT) -> (state, metrics), eval_loss(params, tokens_BT) -> loss), both jitted

@@ -19,23 +19,24 @@ from flax import nnx
 from jaxpar.config import Config
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.model.moe_step import ExpertTerms
+from jaxpar.model.moe_step import ExpertTerms, routing_stats
 from jaxpar.parallel.gradients import carry_spec, window_gradients
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.pipeline_plan import PipelinePlan
-from jaxpar.train.loss_scale import all_finite
+from jaxpar.train.loss_scale import all_finite, unless_skipped
 from jaxpar.train.optim import Optimizer
 from jaxpar.train.state import InFlight, TrainState
 from jaxpar.train.step import RowInputs, _preparation, _updated, in_device_order, stage_fns
 
 
 def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, layout: Layout,
-                     pipeline: PipelinePlan, precision: PrecisionPolicy):
+                     pipeline: PipelinePlan, precision: PrecisionPolicy, trace_routing: bool = False):
     """step(state, batch, has_current) -> (state, the previous step's metrics, with 'completed': whether
-    there was a previous step). has_current False: the drain, whose batch is only a shape."""
+    there was a previous step). has_current False: the drain, whose batch is only a shape. trace_routing:
+    the metrics hold the previous step's routing decisions (jaxpar.model.moe_step; verify replays them)."""
     t, M = cfg.train, pipeline.table.microbatches
-    experts = ExpertTerms.build(cfg.model.moe, t.seed, cfg.model.n_layers, layout.manual_batch_ways * M, False,
-                                keyed_rows=cfg.model.lora.dropout > 0)
+    experts = ExpertTerms.build(cfg.model.moe, t.seed, cfg.model.n_layers, layout.manual_batch_ways * M,
+                                trace_routing, keyed_rows=cfg.model.lora.dropout > 0)
     prepare = _preparation(graphdef, cfg, layout, pipeline, precision)
     checks_finite = t.on_nonfinite == "skip"
 
@@ -43,29 +44,33 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
         micro = [layout.split_microbatches(b, M) for b in batches]
         micro_2M = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *micro)
         fns = stage_fns(graphdef, hooks, cfg, precision, scale, experts)
-        (loss, (_, head_sums), grads), carry = pipeline.window_value_and_grad(
+        (loss, (sums, head_sums), grads), carry = pipeline.window_value_and_grad(
             fns, stale, params, layout.stacked_mask(params), micro_2M, carry, live, has_current)
-        return ({"loss": loss / scale, **{k: v / M for k, v in head_sums.items()}}, grads), carry
+        stats = {"loss": loss / scale, **{k: v / M for k, v in head_sums.items()},
+                 **routing_stats(sums, M * pipeline.stacked_layers)}
+        return (stats, grads), carry
 
     def train_step(state: TrainState, batch, has_current=True):
         has_current = jnp.asarray(has_current)
         own = prepare(state.params, in_device_order(PackedRows.of(batch), layout))
-        noise_B, _ = experts.row_inputs(state.step, own.tokens_BT.shape[0], None)
+        noise_B, trace = experts.row_inputs(state.step, own.tokens_BT.shape[0], None)
         flight = state.in_flight
         if flight is None:  # traced for its shapes only (in_flight_shapes): nothing in flight yet
             flight = InFlight(None, own, noise_B, jnp.zeros((), bool))
-        batches = tuple((b, RowInputs(keys, b.segments())) for b, keys in ((flight.batch, flight.noise_B),
-                                                                            (own, noise_B)))
+        # (a routing trace records the rows' decisions as they are made: the same for either step's rows)
+        batches = tuple((b, RowInputs(keys, b.segments(), trace)) for b, keys in ((flight.batch, flight.noise_B),
+                                                                                   (own, noise_B)))
         scale = state.loss_scale.scale
         (stats, grads), carry = window_gradients(layout, grad_fn, state.stale_params, state.params, batches,
                                                  flight.carry, scale, flight.live, has_current)
-        grads = jax.tree.map(lambda g: g / scale, grads)
+        grads, held = experts.hold_bias(jax.tree.map(lambda g: g / scale, grads))
         finite = all_finite(grads) if checks_finite else None
         applies = flight.live if finite is None else flight.live & finite
         params, opt_state = _updated(optimizer, state, grads, applies, layout, t.offloads_optimizer)
+        params = params if held is None else unless_skipped(applies, experts.move_bias(params, held), params)
         loss_scale = state.loss_scale.after_step(finite, precision)
         metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step - 1),
-                   "loss_scale": scale, "skipped_steps": loss_scale.skipped_steps,
+                   "loss_scale": scale, "skipped_steps": loss_scale.skipped_steps, **experts.step_metrics(stats),
                    **pipeline.step_metrics(), "completed": flight.live}
         in_flight = InFlight(carry, own, noise_B, has_current)
         return TrainState(state.step + has_current.astype(jnp.int32), params, opt_state, loss_scale, state.params,

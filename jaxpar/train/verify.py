@@ -77,6 +77,17 @@ def _batches(session: Session, layout: Trainer, reference: Trainer, gather):
     return rollouts
 
 
+def _reference_step(reference: Trainer, ref_state, ref_batch, routing: RoutingCheck | None, metrics, index: int):
+    """The reference's step on `ref_batch`, replaying the routing decisions in the layout's `metrics` (those of
+    step `index`) when `routing` judges them."""
+    if routing is None:
+        return reference.step(ref_state, ref_batch)
+    codes = routing.codes(jax.device_get(metrics))
+    ref_state, ref_metrics = reference.step(ref_state, ref_batch, reference.put_batch(routing.replay_input(codes)))
+    routing.add(index, codes, jax.device_get(ref_metrics))
+    return ref_state, ref_metrics
+
+
 def compare(session: Session, layout: Trainer, reference: Trainer, state, log=print) -> dict:
     """verify's comparison from the layout's state `state` (the reference starts from a copy of it):
     both sides train on the same batches, the reference replaying the layout's routing of an MoE
@@ -91,32 +102,22 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
     # GRPO's loss is a mean of terms of order 1 (the advantages have unit spread in each group) that cancel
     # to about 0 where the ratio is 1: its error is measured against that order, not against the near-0 sum
     loss_floor = 1.0 if cfg.train.objective == "grpo" else 1e-30
-    waiting = []  # 2BW: a step's metrics are the previous step's, and the reference trails it by one
-    for index in range(cfg.train.steps + layout.lags):
-        if layout.lags:
-            if index < cfg.train.steps:
-                batch, ref_batch = batches(index, state, ref_state)
-                state, metrics = layout.step(state, batch)
-                waiting.append(ref_batch)
-            else:
-                state, metrics = layout.drain(state)
-            if index == 0:
-                continue
-            ref_state, ref_metrics = reference.step(ref_state, waiting.pop(0))
-        elif routing is None:
+    # 2BW's step completes the previous one (its metrics and update) and a drain the last: the reference trails
+    waiting, lag = [], int(layout.lags)
+    replays = (None,) if routing is not None and not lag else ()  # a traced step's decisions to replay: none
+    for index in range(cfg.train.steps + lag):
+        if index < cfg.train.steps:
             batch, ref_batch = batches(index, state, ref_state)
-            state, metrics = layout.step(state, batch)
-            ref_state, ref_metrics = reference.step(ref_state, ref_batch)
+            state, metrics = layout.step(state, batch, *replays)
+            waiting.append(ref_batch)
         else:
-            batch, ref_batch = batches(index, state, ref_state)
-            state, metrics = layout.step(state, batch, None)
-            codes = routing.codes(jax.device_get(metrics))
-            ref_state, ref_metrics = reference.step(ref_state, ref_batch,
-                                                    reference.put_batch(routing.replay_input(codes)))
-            routing.add(index, codes, jax.device_get(ref_metrics))
+            state, metrics = layout.drain(state)
+        if index < lag:
+            continue
+        ref_state, ref_metrics = _reference_step(reference, ref_state, waiting.pop(0), routing, metrics, index - lag)
         loss, ref_loss = float(metrics["loss"]), float(ref_metrics["loss"])
         loss_errors.append(abs(loss - ref_loss) / max(abs(ref_loss), loss_floor))
-        log(f"step {index + 1 - layout.lags}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}")
+        log(f"step {index + 1 - lag}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}")
 
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
     errors = {key: _rel(np.asarray(a), np.asarray(ref[key])) for ref in [flat_by_path(ref_params)]

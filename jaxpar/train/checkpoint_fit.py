@@ -1,0 +1,98 @@
+"""Whether a checkpoint fits a config, and the path-keyed view of a state that checkpoints are saved in:
+what must match (the model's shape, optimizer, seed, the arrays), and what may come and go with the
+layout (2BW's stale weights, and what it has in flight unless a step is)."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxpar.config import Config
+from jaxpar.errors import UserError
+from jaxpar.model.axes import path_names
+
+
+class CheckpointMismatch(UserError):
+    """A checkpoint that cannot be restored into this config (another model shape, optimizer or seed)."""
+
+
+def flat_by_path(tree) -> dict[str, object]:
+    """{'params/blocks/attn/w_qkv/value': leaf, ...} for any pytree (TrainState, shardings, ...)."""
+    return {"/".join(path_names(path)): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def nest_by_path(flat: dict[str, object]) -> dict:
+    """Turn {'a/b/c': x} into {'a': {'b': {'c': x}}}, the plain dict tree Orbax saves."""
+    out: dict = {}
+    for key, leaf in flat.items():
+        *parents, last = key.split("/")
+        node = out
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[last] = leaf
+    return out
+
+
+STALE, PARAMS, IN_FLIGHT = "stale_params/", "params/", "in_flight/"
+
+
+def state_spec(state) -> dict[str, list]:
+    """Shape and dtype of every array of a (possibly abstract) state, keyed by path."""
+    return {key: [list(leaf.shape), str(leaf.dtype)] for key, leaf in flat_by_path(state).items()}
+
+
+def _must_match(config: dict) -> list[str]:
+    """Config keys that fix a checkpoint's contents (array shapes, optimizer state) or its data order.
+
+    Where the weights first came from (model.from_hf) may move; the shape it gave must match. The
+    routing settings of a mixture of experts (group size, capacity, loss weights) change no array, and the
+    automatic group size follows the tokens per device, so they may change with the layout on resume;
+    whether there are experts, how many and where, and the router (top-k alone has a noise weight) must
+    match."""
+    model = [f"model.{key}" for key in config["model"] if key not in ("moe", "from_hf")]
+    return model + ["model.moe.experts", "model.moe.every", "model.moe.router", "train.optimizer", "train.seed"]
+
+
+def _config_value(config: dict, dotted: str):
+    node = config
+    for key in dotted.split("."):
+        node = node.get(key, {}) if isinstance(node, dict) else None
+    return None if node == {} else node
+
+
+def check_compatible(meta: dict, cfg: Config, abstract_state, where: str) -> None:
+    """Raise CheckpointMismatch (one sentence) unless the checkpoint fits this config."""
+    saved, now = meta["config"], cfg.to_dict()
+    differ = [k for k in _must_match(now) if _config_value(saved, k) != _config_value(now, k)]
+    if differ:
+        then = ", ".join(f"{k}={_config_value(saved, k)}" for k in differ)
+        here = ", ".join(f"{k}={_config_value(now, k)}" for k in differ)
+        raise CheckpointMismatch(f"the checkpoint at step {meta['step']} in {where} was written with {then} but this "
+                                 f"config has {here}; resume with the same values or use another run.dir.")
+    # 2BW's stale weights and what it has in flight may come and go with the layout (a step in flight may
+    # not: _restore_state); everything else must be there.
+    expected = {k: v for k, v in state_spec(abstract_state).items() if not k.startswith((STALE, IN_FLIGHT))}
+    saved_spec = {k: v for k, v in meta["spec"].items() if not k.startswith((STALE, IN_FLIGHT))}
+    if saved_spec != expected:
+        key = next(k for k in sorted(set(expected) | set(saved_spec)) if saved_spec.get(k) != expected.get(k))
+        raise CheckpointMismatch(f"the checkpoint at step {meta['step']} in {where} holds a different training state "
+                                 f"than this config builds (first difference: {key} is {saved_spec.get(key)} "
+                                 f"there and {expected.get(key)} here); use another run.dir.")
+
+
+def in_flight_fits(saved: dict[str, list], expected: dict[str, list]) -> bool:
+    """Whether what a 2BW run saved in flight is what this layout carries, array for array."""
+    def flight(spec):
+        return {k: v for k, v in spec.items() if k.startswith(IN_FLIGHT)}
+    return flight(saved) == flight(expected)
+
+
+def drop_idle_flight(arrays: dict, step: int, where) -> None:
+    """Leave out what a 2BW run saved in flight, unless a step is in flight: that only a layout that carries
+    the same can finish."""
+    if IN_FLIGHT + "live" in arrays and bool(jax.device_get(arrays[IN_FLIGHT + "live"])):
+        raise CheckpointMismatch(f"the checkpoint at step {step} in {where} holds a 2bw step in flight, which "
+                                 f"only the layout that saved it can finish; resume with that layout (its mesh "
+                                 f"and parallel.pipeline settings), or from a checkpoint of a finished run.")
+    for key in [k for k in arrays if k.startswith(IN_FLIGHT)]:
+        del arrays[key]
