@@ -59,7 +59,8 @@ def test_the_final_save_is_made_once(overrides, saved):
     checkpoints = SimpleNamespace(save=lambda step, state, trainer: written.append(step))
     local = SimpleNamespace(every=0, due=lambda step: False)
     timeline = SimpleNamespace(save=lambda step, seconds, kind: None)
-    saves = Saves(Config().replace(**overrides), None, checkpoints, local, timeline, lambda seconds: None)
+    trainer = SimpleNamespace(lags=False)  # (2BW's last periodic save waits for the drain: test_two_bw.py)
+    saves = Saves(Config().replace(**overrides), trainer, checkpoints, local, timeline, lambda seconds: None)
     for step in range(1, 7):
         if saves.due(step, stopping=False):
             saves.save(step, None, stopping=False)
@@ -124,7 +125,9 @@ def test_restore_across_pipeline_layouts(tmp_path):
     checkpoints hold layers in model order, so they move between these and plain layouts."""
     from jaxpar.config.presets import load_config
     from jaxpar.session import prepare
-    from jaxpar.train.checkpoint import Checkpoints, flat_by_path
+    import jax
+
+    from jaxpar.train.checkpoint import CheckpointMismatch, Checkpoints, flat_by_path
     from jaxpar.train.trainer import Trainer
 
     def trainer(name):
@@ -154,10 +157,20 @@ def test_restore_across_pipeline_layouts(tmp_path):
     same(round_trip(interleaved, interleaved_state, plain, "a")[1], in_model_order)
     same(round_trip(interleaved, interleaved_state, interleaved, "b")[1], permuted)
     two_bw_state, from_plain = round_trip(plain, plain_state, two_bw, "c")  # 2BW's stale weights start as the weights
-    same({k: v for k, v in from_plain.items() if not k.startswith("stale_params/")}, in_model_order)
+    same({k: v for k, v in from_plain.items() if not k.startswith(("stale_params/", "in_flight/"))}, in_model_order)
     same({k[len("stale_"):]: v for k, v in from_plain.items() if k.startswith("stale_params/")},
          {k: v for k, v in in_model_order.items() if k.startswith("params/")})
+    assert not any(np.any(v) for k, v in from_plain.items() if k.startswith("in_flight/"))  # nothing in flight
     same(round_trip(two_bw, two_bw_state, plain, "d")[1], in_model_order)  # and are dropped again
+
+    # A step in flight only the layout that saved it can finish: elsewhere it is one sentence.
+    batch = two_bw.put_windows(two_bw.session.train_data, two_bw.session.train_data.starts(0))
+    flying, _ = two_bw.step(two_bw.put_state(jax.device_get(two_bw_state)), batch)
+    checkpoints = Checkpoints(tmp_path / "e", keep=1)
+    checkpoints.save(1, flying, two_bw)
+    with pytest.raises(CheckpointMismatch, match="holds a 2bw step in flight, which only the layout that saved it"):
+        checkpoints.restore_latest(plain, warn=pytest.fail)
+    checkpoints.close()
 
 
 def test_checkpoint_of_another_model_shape_is_refused_with_exit_2(tmp_path, capsys, ten_steps):

@@ -83,6 +83,12 @@ BAD_INPUTS = {
     "recompute with a zero-bubble schedule": (
         ["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=zb-h1", "parallel.pipeline.recompute=true"],
         "parallel.pipeline.recompute=true is for 1F1B-type schedules; zb-h1 keeps"),
+    "2bw with fp16": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=2bw", "train.precision=fp16"],
+                      "2bw starts each step's microbatches before the previous step's gradient is checked"),
+    "2bw with zero 2": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=2bw", "parallel.zero=2"],
+                        "a 2bw step runs two; use parallel.zero=1 or 3."),
+    "2bw with grpo": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=2bw", "train.objective=grpo",
+                       "data.source=configs/grpo_numbers.jsonl"], "under 2bw trail the batches by a step"),
     "zero 2 with zbv": (["mesh.data=4", "mesh.stage=2", "parallel.pipeline.schedule=zbv", "parallel.zero=2"],
                         "parallel.zero=2 with zbv is not supported; use zero 1 or 3."),
     "negative seed": (["train.seed=-1"], "train.seed must be between 0 and 2**63 - 1, got -1."),

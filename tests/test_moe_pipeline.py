@@ -25,6 +25,7 @@ HEAVY_AUX = ("model.moe.aux_loss_weight=10", "model.moe.z_loss_weight=10")
 @pytest.mark.slow
 @pytest.mark.parametrize("router, schedule", [
     ("topk", ("parallel.pipeline.schedule=1f1b",)),  # with routing noise
+    ("topk", ("parallel.pipeline.schedule=2bw",)),  # each step's noise keys carried with its microbatches in flight
     ("switch", ("parallel.pipeline.schedule=gpipe",)),
     ("expert_choice", ("parallel.pipeline.schedule=1f1b", "parallel.pipeline.recompute=true")),
 ])

@@ -10,7 +10,7 @@ from jaxpar.parallel.schedules import Action, build, stash_size, theoretical_idl
 from jaxpar.train import verify as verify_module
 from jaxpar.train.verify import verify
 
-TABLES = [(s, S, M, 1) for s in ("gpipe", "1f1b", "2bw") for S in (2, 3, 4) for M in (S, 2 * S, 8)] + [
+TABLES = [(s, S, M, 1) for s in ("gpipe", "1f1b") for S in (2, 3, 4) for M in (S, 2 * S, 8)] + [
     ("interleaved", S, M, v) for S in (2, 4) for M in (S, 2 * S, 4 * S) for v in (2, 3)] + [
     ("naive", S, 1, 1) for S in (2, 3, 4)]
 
@@ -35,7 +35,7 @@ def test_table_respects_dependencies_and_the_bubble_formula(schedule, S, M, v):
             if k < chunks - 1:
                 assert when[Action("B", i, k + 1)] < t
     assert table.idle_fraction == pytest.approx(theoretical_idle_fraction(S, M, v))
-    if schedule in ("1f1b", "2bw"):
+    if schedule == "1f1b":
         assert max(table.in_flight(s) for s in range(S)) <= S
         assert stash_size(table) <= S
     if schedule == "gpipe":
@@ -81,11 +81,12 @@ def test_schedule_cli_reports_idle_fraction_and_draws(tmp_path, capsys):
 # rest (every ZeRO stage, tensor, sequence parallelism, remat, recompute, bf16), switches that do not
 # interact sharing a run. 1F1B with recompute on tensor=2 x stage=4 and interleaved on tensor=4 x stage=2
 # are also the plain verifies of those factorisations (tests/test_factorisations.py leaves them here).
-# The quick tier keeps the interleaved layout (the 1F1B executor, layers stored out of order); GPipe's
-# executor is compiled there by the test below.
+# The quick tier keeps the interleaved layout (the 1F1B executor, layers stored out of order) and 2BW
+# (steps that overlap, over 6 steps and the drain); GPipe's executor is compiled there by the test below.
 QUICK_LAYOUTS = [  # 4 layers: a chunk of one layer for each of the 2 x 2 virtual stages
     ["parallel.pipeline.schedule=interleaved", "mesh.stage=2", "mesh.data=4", "parallel.pipeline.microbatches=4",
      "parallel.pipeline.virtual=2"],
+    ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=2bw", "train.steps=6"],
 ]
 SLOW_LAYOUTS = [
     ["parallel.pipeline.schedule=naive", "mesh.stage=4", "mesh.data=2", "parallel.pipeline.microbatches=1"],
@@ -96,7 +97,8 @@ SLOW_LAYOUTS = [
     ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.zero=2", "train.precision=bf16", "train.loss_chunks=4"],
     ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.pipeline.schedule=interleaved",
      "parallel.pipeline.virtual=2", "parallel.zero=3", "parallel.sequence=true"],
-    ["mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=2bw", "train.steps=4"],
+    ["mesh.data=2", "mesh.tensor=2", "mesh.stage=2", "parallel.pipeline.schedule=2bw", "train.steps=6",
+     "parallel.zero=3"],
     ["mesh.tensor=2", "mesh.stage=4", "parallel.pipeline.microbatches=8", "parallel.pipeline.recompute=true"],
     ["mesh.tensor=4", "mesh.stage=2", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.virtual=2",
      "model.n_layers=8", "parallel.pipeline.recompute=true", "train.precision=bf16"],

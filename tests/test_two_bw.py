@@ -102,14 +102,13 @@ def test_compiled_2bw_holds_two_weight_versions_and_at_most_S_microbatches_in_fl
     state = trainer.abstract_state()
 
     def per_device(tree):
-        return sum(a.sharding.shard_shape(a.shape)[0] * int(np.prod(a.sharding.shard_shape(a.shape)[1:]))
-                   * a.dtype.itemsize for a in jax.tree.leaves(tree))
+        return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
     stash = state.in_flight.carry[0]
     assert stash.x.shape[1] == carried_stash_size(S, M) <= S  # (devices, slots, chunk, rows, seq, d_model)
     expected = per_device((state.params, state.stale_params, state.opt_state, state.in_flight, state.step,
-                           state.loss_scale))
-    assert plans["2bw"]["argument_bytes"] == expected
+                           state.loss_scale, trainer.abstract_batch()))
+    assert plans["2bw"]["argument_bytes"] == expected + 1  # and whether the step has a batch of its own (a bool)
     assert plans["2bw"]["params_bytes"] == plans["1f1b"]["params_bytes"]
     assert plans["2bw"]["temp_bytes"] <= 1.3 * plans["1f1b"]["temp_bytes"]
 
@@ -147,3 +146,60 @@ def test_resume_from_between_any_two_steps_is_exact(tmp_path):
         assert losses == whole_losses[cut:], cut
         for key, value in params.items():
             np.testing.assert_array_equal(value, whole_params[key], err_msg=key)
+
+
+@pytest.mark.parametrize("overrides, saved", [({}, [6]), ({"checkpoint.every": 3}, [3, 6]),
+                                               ({"checkpoint.every": 3, "checkpoint.final": False}, [3, 6]),
+                                               ({"checkpoint.final": False}, [])])
+def test_the_last_save_waits_for_the_drain(overrides, saved):
+    """Under 2BW the state after the last step still has it in flight: its save, periodic or final, is the
+    drained state's, made once after the drain."""
+    from types import SimpleNamespace
+
+    from jaxpar.config import Config
+    from jaxpar.train.saves import Saves
+
+    written = []
+    checkpoints = SimpleNamespace(save=lambda step, state, trainer: written.append(step))
+    local = SimpleNamespace(every=0, due=lambda step: False)
+    timeline = SimpleNamespace(save=lambda step, seconds, kind: None)
+    cfg = Config().replace(**overrides).replace(**{"train.steps": 6})
+    saves = Saves(cfg, SimpleNamespace(lags=True), checkpoints, local, timeline, lambda seconds: None)
+    for step in range(1, 7):
+        if saves.due(step, stopping=False):
+            saves.save(step, None, stopping=False)
+    saves.final(6, None)
+    assert written == saved
+
+
+@pytest.mark.slow
+def test_sigkill_between_steps_resumes_with_the_microbatches_in_flight(tmp_path):
+    """`jaxpar train` killed (SIGKILL) after the save of step 3, a batch in flight, and run again logs the
+    uninterrupted run's metrics exactly."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import BASE, checkpoint_steps, metrics
+
+    settings = [*BASE, *SMALL_MODEL, "model.n_layers=4", "mesh.data=2", "mesh.tensor=1", "mesh.stage=4",
+                "parallel.pipeline.schedule=2bw", "train.batch_size=16", "train.steps=6"]
+
+    def train(run_dir, *more):
+        return subprocess.Popen([sys.executable, "-m", "jaxpar", "train", "--no-progress", *settings,
+                                 f"run.dir={run_dir}", *more], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert train(whole).wait(timeout=300) == 0
+    proc = train(cut, "checkpoint.every=1")
+    deadline = time.monotonic() + 300
+    while 3 not in checkpoint_steps(cut) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert 3 in checkpoint_steps(cut) and 6 not in checkpoint_steps(cut)
+    resumed = train(cut, "checkpoint.every=1")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and b"resuming from the checkpoint at step" in err
+    assert metrics(cut) == metrics(whole)
