@@ -123,10 +123,10 @@ PIPELINES = {
 def test_restore_across_pipeline_layouts(tmp_path):
     """Interleaved stages store their layers permuted and 2BW keeps a second copy of the weights;
     checkpoints hold layers in model order, so they move between these and plain layouts."""
-    from jaxpar.config.presets import load_config
-    from jaxpar.session import prepare
     import jax
 
+    from jaxpar.config.presets import load_config
+    from jaxpar.session import prepare
     from jaxpar.train.checkpoint import CheckpointMismatch, Checkpoints, flat_by_path
     from jaxpar.train.trainer import Trainer
 

@@ -44,7 +44,8 @@ def draw(table: Table, path: str | Path, costs: Costs = UNIT) -> None:
     for s, stage in enumerate(spans):
         for action, start, stop in stage:
             # shades: a stage's chunks (interleaved, zbv), or 2BW's consecutive steps
-            shade = action.microbatch // table.microbatches if table.schedule == "2bw" else table.local_chunk(action.chunk)
+            two_bw = table.schedule == "2bw"
+            shade = action.microbatch // table.microbatches if two_bw else table.local_chunk(action.chunk)
             color = colours[action.kind][shade % 2]
             ax.broken_barh([(start, stop - start)], (table.stages - 1 - s, 0.9), facecolors=color, edgecolor="white",
                            linewidth=0.6)

@@ -58,8 +58,8 @@ class Saves:
     def final(self, step: int, state) -> None:
         """The last step's checkpoint (checkpoint.final), unless a periodic one was just written (under
         2BW the periodic one waited for the drain: it is this one)."""
-        periodic = self._periodic(step)
-        if (self.cfg.checkpoint.final or periodic) if self.trainer.lags else (self.cfg.checkpoint.final and not periodic):
+        periodic, final = self._periodic(step), self.cfg.checkpoint.final
+        if (final or periodic) if self.trainer.lags else (final and not periodic):
             self._timed(step, "checkpoint", lambda: self.checkpoints.save(step, state, self.trainer))
 
     def _timed(self, step: int, kind: str, save: Callable[[], None]) -> None:
