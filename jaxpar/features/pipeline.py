@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from jaxpar.config import Config
+from jaxpar.config import Config, precision
 from jaxpar.features.data import ZeroStage
 from jaxpar.features.feature import Checks, Switch, axis, never
 
@@ -81,10 +81,10 @@ def _two_bw_checks(cfg: Config) -> Checks:
     """What 2BW cannot carry from one step to the next: a step's microbatches start before the previous
     step's gradient is judged (loss scaling), a step runs two versions of the weights (ZeRO-2's layers
     look one up whole), and the weights trail the batches by a step (GRPO samples each batch from them)."""
-    if cfg.train.precision == "fp16":
-        yield ("2bw starts each step's microbatches before the previous step's gradient is checked, so fp16's "
-               "loss scale cannot follow it; use train.precision=bf16 or another schedule.")
-    if cfg.parallel.zero == 2:
+    if precision.of(cfg).loss_scaling:
+        yield (f"2bw starts each step's microbatches before the previous step's gradient is checked, so "
+               f"train.precision={cfg.train.precision}'s loss scale cannot follow it; use bf16 or another schedule.")
+    if ZeroStage(cfg.parallel.zero).slices_replicated_weights:
         yield ("parallel.zero=2 has each layer read the whole of one version of the weights, but a 2bw step runs "
                "two; use parallel.zero=1 or 3.")
     if cfg.train.objective == "grpo":
