@@ -1,15 +1,16 @@
 """Pipeline schedules on S=4 stages: bubble, FLOPs, temporaries and speed against M microbatches.
 
 Usage:
-    python benchmarks/pipeline.py [key=value ...] [--steps N] [--warmup W]
+    python benchmarks/pipeline.py [key=value ...] [--steps N] [--warmup W] [--schedules a,b] [--microbatches 4,8]
 
 Model: jaxpar's defaults with `model.n_layers=8 train.batch_size=64`, then the key=value overrides.
 For each schedule in {gpipe, 1f1b, 1f1b with parallel.pipeline.recompute=true, interleaved
-(parallel.pipeline.virtual=2), 2bw} and each number of
-microbatches M in {4, 8, 16, 32}, jaxpar's Trainer is built on mesh.data=2 x mesh.stage=4 (8 devices,
-emulated on a CPU-only host) and reported:
-  * idle fraction: theoretical (S-1)/(v*M+S-1) (v=2 interleaved, else 1) and that of the schedule table
-    the executor runs (`jaxpar.parallel.schedules.build(...).idle_fraction`), with its tick count;
+(parallel.pipeline.virtual=2), 2bw} (or those --schedules names) and each number of microbatches M
+in {4, 8, 16, 32} (or --microbatches), jaxpar's Trainer is built on mesh.data=2 x mesh.stage=4 (8
+devices, emulated on a CPU-only host) and reported:
+  * idle fraction: theoretical (S-1)/(v*M+S-1) (v=2 interleaved, else 1; 2bw's steady state: 0) and that
+    of the schedule table the executor runs (`jaxpar.parallel.schedules.build(...).idle_fraction`), with its
+    tick count;
   * FLOPs per device against the non-pipelined step of the same model and global batch on mesh.data=8,
     which gives every device the same share of the work (1/8 of the batch through the whole model, vs
     1/2 of the batch through 1/4 of the model):
@@ -22,9 +23,12 @@ emulated on a CPU-only host) and reported:
         recompute=true, where every backward redoes its forward (F + (F + B) against F + B, B = 2F);
   * temporaries per device (MiB, XLA's memory_analysis via `measure_step`);
   * tokens/s = batch_size * seq_len / median step time of N timed steps after W warm-up steps
-    (compilation included in the warm-up; every step waited for with block_until_ready).
+    (compilation included in the warm-up; every step waited for with block_until_ready). A 2bw step
+    finishes the previous step's microbatches and starts its own: after the warm-up (its first step
+    fills the pipeline) every timed step is its steady state.
 The data=8 reference is timed and measured the same way. Printed: a markdown table, then one JSON line
-with every number; the figure goes to benchmarks/results/pipeline.png (idle fraction and temporaries vs M).
+with every number; the figure goes to benchmarks/results/pipeline.png (idle fraction and temporaries vs M;
+drawn only when every schedule runs).
 """
 
 from __future__ import annotations
@@ -59,13 +63,19 @@ MODEL = ["model.n_layers=8", "train.batch_size=64"]
 OUT_PNG = RESULTS / "pipeline.png"
 MIB = 2 ** 20
 
-ARGS = parse_steps(step_parser(__doc__, steps=5, warmup=2))
+PARSER = step_parser(__doc__, steps=5, warmup=2)
+PARSER.add_argument("--schedules", default=",".join(SCHEDULES), help="the schedules to run, by label (default: all)")
+PARSER.add_argument("--microbatches", default=",".join(map(str, MICROBATCHES)), help="the values of M (default: all)")
+ARGS = parse_steps(PARSER)
+if set(ARGS.schedules.split(",")) - set(SCHEDULES):
+    PARSER.error(f"--schedules takes labels among {', '.join(SCHEDULES)}")
 BASE = [f"run.dir={os.devnull}", *MODEL, *ARGS.overrides]
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).
 DEVICES = setup_devices(load_config(None, BASE))
 
 import numpy as np  # noqa: E402
 
+from jaxpar.parallel.schedule_timing import formula_idle_fraction  # noqa: E402
 from jaxpar.parallel.schedules import theoretical_idle_fraction  # noqa: E402
 from jaxpar.plan import measure_step  # noqa: E402
 
@@ -101,6 +111,8 @@ def plot(ref: dict, rows: list[dict], path: Path) -> None:
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(13, 5))
     for (name, (_, virtual, _)), marker in zip(SCHEDULES.items(), "osxD^"):
         mine = [r for r in rows if r["label"] == name]
+        if not mine:
+            continue
         label = name + (f" (v={virtual})" if virtual > 1 else "")
         left.plot([r["M"] for r in mine], [r["idle_table"] for r in mine], marker=marker, label=f"{label}, table")
         right.plot([r["M"] for r in mine], [r["temp_mib"] for r in mine], marker=marker, label=label)
@@ -132,8 +144,9 @@ def main() -> int:
     ref.pop("table")
     ref["temp_mib"] = ref["temp_bytes"] / MIB
     rows = []
-    for name, (schedule, virtual, recompute) in SCHEDULES.items():
-        for m in MICROBATCHES:
+    chosen = {name: SCHEDULES[name] for name in ARGS.schedules.split(",")}
+    for name, (schedule, virtual, recompute) in chosen.items():
+        for m in map(int, ARGS.microbatches.split(",")):
             got = run_layout(f"{name} M={m}", [f"mesh.data={DATA}", f"mesh.stage={STAGES}",
                                                f"parallel.pipeline.schedule={schedule}",
                                                f"parallel.pipeline.microbatches={m}",
@@ -141,15 +154,16 @@ def main() -> int:
                                                f"parallel.pipeline.recompute={str(recompute).lower()}"], batches)
             table = got.pop("table")
             rows.append({"label": name, "schedule": schedule, "virtual": virtual, "recompute": recompute, "M": m,
-                         "ticks": len(table.ticks), "idle_theory": theoretical_idle_fraction(STAGES, m, virtual),
+                         "ticks": len(table.ticks), "idle_theory": formula_idle_fraction(schedule, STAGES, m, virtual),
                          "idle_table": table.idle_fraction, "static_flops_ratio": got["flops"] / ref["flops"],
                          "executed_flops_ratio": got["executed_flops"] / ref["flops"],
                          "temp_mib": got["temp_bytes"] / MIB, **got})
     print(f"Pipeline, S={STAGES} on data={DATA} x stage={STAGES} ({' '.join(BASE[1:])}); "
           f"FLOPs relative to data=8 (flops_data8 = {ref['flops']:.4g} per device)\n")
     print(markdown_table(ref, rows) + "\n")
-    plot(ref, rows, OUT_PNG)
-    print(f"figure: {OUT_PNG}", file=sys.stderr)
+    if len(chosen) == len(SCHEDULES):  # the figure compares every schedule
+        plot(ref, rows, OUT_PNG)
+        print(f"figure: {OUT_PNG}", file=sys.stderr)
     print(json.dumps({"overrides": BASE[1:], "stages": STAGES, "data": DATA, "reference_data8": ref, "rows": rows}))
     return 0
 

@@ -164,9 +164,8 @@ def test_pipeline_idle_fraction_is_in_the_metrics(session_for):
 
 @pytest.mark.slow
 def test_plan_of_naive_shows_gpipe_beside_it(capsys):
-    """`jaxpar plan` of a naive layout compiles GPipe with M = mesh.stage on its mesh too. GPipe's scan keeps
-    every forward tick's residuals, idle or not: naive (S ticks of the whole batch) holds more than GPipe at
-    M = S (2S - 1 ticks of a quarter of it)."""
+    """`jaxpar plan` of a naive layout compiles GPipe with M = mesh.stage on its mesh too: naive keeps the
+    whole batch's residuals, and its logits, at once, and holds more than GPipe at M = S."""
     from jaxpar.cli import main
 
     assert main(["plan", *SMALL_MODEL, "mesh.data=2", "mesh.stage=4", "parallel.pipeline.schedule=naive",

@@ -1,6 +1,5 @@
 """GPipe: the table's forward ticks in a scan, the backward by autodiff (all forwards, then all
-backwards; activations kept for all M microbatches). It runs the naive schedule too: GPipe with one
-microbatch, the whole batch going through the stages in turn."""
+backwards; activations kept for all M microbatches)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""1F1B, interleaved 1F1B and PipeDream-2BW: every tick of the table in a scan, with an explicit
-backward. By default a forward tick keeps the residuals of its `jax.vjp` (what backward needs; the
-weights themselves are not copied) in a stash slot per in-flight microbatch, so memory stays
-bounded by the schedule, and a backward tick applies the received cotangent to them: no forward
-runs twice. With `recompute`, a forward tick keeps only the chunk's input and the backward tick
-recomputes the chunk from it (4/3 of the FLOPs, least memory)."""
+"""1F1B, interleaved 1F1B, PipeDream-2BW and naive model parallelism: every tick of the table in a
+scan, with an explicit backward. By default a forward tick keeps the residuals of its `jax.vjp`
+(what backward needs; the weights themselves are not copied) in a stash slot per in-flight
+microbatch, so memory stays bounded by the schedule, and a backward tick applies the received
+cotangent to them: no forward runs twice. With `recompute`, a forward tick keeps only the chunk's
+input and the backward tick recomputes the chunk from it (4/3 of the FLOPs, least memory)."""
 
 from __future__ import annotations
 

@@ -15,11 +15,10 @@ one copy of each of the chunk's programs, not three. So the embedding and the he
 where the table puts them, and each kind can be costed from the compiled branches (`jaxpar
 plan`'s executed FLOPs; `compiled_branches`).
 
-- GPipe (and naive model parallelism, GPipe with one microbatch): a scan over the table's forward
-  ticks, differentiated by autodiff, which gives the all-forwards-then-all-backwards order and
-  keeps activations for all M microbatches.
-- 1F1B, interleaved 1F1B and 2BW: a scan over every tick of the table, with an explicit
-  backward. By default a forward tick keeps the residuals of its `jax.vjp` (what backward
+- GPipe: a scan over the table's forward ticks, differentiated by autodiff, which gives the
+  all-forwards-then-all-backwards order and keeps activations for all M microbatches.
+- Naive model parallelism, 1F1B, interleaved 1F1B and 2BW: a scan over every tick of the table,
+  with an explicit backward. By default a forward tick keeps the residuals of its `jax.vjp` (what backward
   needs; the weights themselves are not copied) in a buffer slot per in-flight microbatch, so
   memory stays bounded by the schedule, and a backward tick applies the received cotangent
   to them: no forward runs twice. With `recompute`, a forward tick keeps only the chunk's
@@ -54,9 +53,6 @@ TICK_SCOPE = "pipeline_tick"
 # one copy of the chunk for the first, middle and last chunk alike, not three.
 FIRST_CHUNK_SCOPE = "pipeline_first_chunk"
 LAST_CHUNK_SCOPE = "pipeline_last_chunk"
-# The schedules run by GPipe's executor (forward ticks in a scan, backward by autodiff): naive is GPipe
-# with one microbatch.
-AUTODIFF_BACKWARD = ("naive", "gpipe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +96,7 @@ def compiled_branches(table: Table) -> list[tuple[int, dict[str, int]] | None]:
     places = ({FIRST_CHUNK_SCOPE: 1, LAST_CHUNK_SCOPE: 0}, {FIRST_CHUNK_SCOPE: 0, LAST_CHUNK_SCOPE: 0},
               {FIRST_CHUNK_SCOPE: 0, LAST_CHUNK_SCOPE: 1})
     kinds = [(0, {}), *[(1, place) for place in places]]
-    for index, runs in ((2, table.schedule not in AUTODIFF_BACKWARD), (3, table.split_backward)):
+    for index, runs in ((2, table.schedule != "gpipe"), (3, table.split_backward)):
         kinds += [(index, place) if runs else None for place in places]
     return kinds
 
@@ -133,7 +129,7 @@ def _open(tree):
 def switch_ticks(table: Table) -> int:
     """How many ticks the executor's tick switch runs: GPipe scans the forward ticks only (its
     backward is their transpose), the other schedules every tick of the table."""
-    return table.microbatches + table.stages - 1 if table.schedule in AUTODIFF_BACKWARD else len(table.ticks)
+    return table.microbatches + table.stages - 1 if table.schedule == "gpipe" else len(table.ticks)
 
 
 def branch_counts(table: Table) -> np.ndarray:

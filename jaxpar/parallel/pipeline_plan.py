@@ -89,7 +89,7 @@ class PipelinePlan:
         as Layout.split_microbatches cuts them) through the schedule. Returns this device's
         (share of the mean loss, (sums of the layers' statistics, sums of the head's), gradients)."""
         layer_ids = self._layer_ids(axis)
-        if self.table.schedule in ("naive", "gpipe"):
+        if self.table.schedule == "gpipe":
             executor = gpipe_value_and_grad
         elif self.table.split_backward:
             executor = zero_bubble_value_and_grad

@@ -95,7 +95,7 @@ def _pipelines(mesh: dict) -> list[dict]:
     if stages == 1:
         return [{}]
     out = []
-    # not naive (GPipe's executor with one microbatch): it idles (S-1)/S of the time and holds more than GPipe does
+    # not naive (one batch, no microbatches): it idles (S-1)/S of the time and holds more than GPipe does
     for schedule, per_stage in itertools.product([s for s in SCHEDULES if s != "naive"], MICROBATCHES_PER_STAGE):
         virtual = INTERLEAVED_VIRTUAL if schedule == "interleaved" else 1
         out.append({"parallel.pipeline.schedule": schedule, "parallel.pipeline.microbatches": stages * per_stage,
