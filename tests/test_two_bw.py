@@ -41,6 +41,8 @@ def test_a_run_of_windows_does_every_microbatch_once_in_dependency_order(S, M):
                     when[key] = tick
             tick += 1
     assert len(when) == 2 * steps * M * S
+    # a run is one pipeline of N x M microbatches: the seed's (d-1)/(m+d-1) with m = N x M
+    assert run_idle_fraction(run_tables(S, M, steps)) == pytest.approx((S - 1) / (steps * M + S - 1))
     for (kind, i, k), at in when.items():
         if kind == "F" and k > 0:
             assert when[Action("F", i, k - 1)] < at
