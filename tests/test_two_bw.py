@@ -205,3 +205,29 @@ def test_sigkill_between_steps_resumes_with_the_microbatches_in_flight(tmp_path)
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0 and b"resuming from the checkpoint at step" in err
     assert metrics(cut) == metrics(whole)
+
+
+def test_a_drained_run_trained_further_goes_on_as_if_never_drained(tmp_path):
+    """A finished run (drained: its last update applied, nothing in flight) that is given more steps logs
+    exactly the losses, and ends with the weights, of the run that had those steps from the start."""
+    import jax
+
+    from jaxpar.train.checkpoint import flat_by_path
+
+    trainer = _trainer("parallel.pipeline.schedule=2bw", "train.batch_size=16")
+    sampler = trainer.session.train_data
+
+    def steps(state, indices):
+        losses = []
+        for index in indices:
+            state, metrics = trainer.step(state, trainer.put_windows(sampler, sampler.starts(index)))
+            losses.append(float(metrics["loss"]) if bool(metrics["completed"]) else None)
+        state, metrics = trainer.drain(state)
+        return state, losses + [float(metrics["loss"])]
+
+    whole, whole_losses = steps(trainer.init(), range(5))
+    first, first_losses = steps(trainer.init(), range(3))
+    last, last_losses = steps(first, range(3, 5))
+    assert first_losses + last_losses[1:] == whole_losses  # the step after the drain completes nothing
+    for key, value in flat_by_path(jax.device_get(last.params)).items():
+        np.testing.assert_array_equal(value, flat_by_path(jax.device_get(whole.params))[key], err_msg=key)

@@ -6,7 +6,10 @@ device follows with jaxpar.train.step (state.stale_params), so verify compares t
 
 So a step's metrics are the previous step's, and the weights lag the batches by one step: after the
 step of batch t the state holds t updates and batch t in flight (state.in_flight). The first step
-only fills the pipeline; `drain` (the step without a batch of its own) finishes the last.
+only fills the pipeline; `drain` (the step without a batch of its own) finishes the last. A step
+with nothing in flight runs its batch on the stale copy and keeps both versions, so that a run
+drained and then trained further goes on exactly as the run that never stopped (on a fresh start
+the two versions are the same).
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
         batches = tuple((b, RowInputs(keys, b.segments(), trace)) for b, keys in ((flight.batch, flight.noise_B),
                                                                                    (own, noise_B)))
         scale = state.loss_scale.scale
-        (stats, grads), carry = window_gradients(layout, grad_fn, state.stale_params, state.params, batches,
+        # With nothing in flight (a start, or after a drain, which applied the last step's update early), the
+        # step's batch runs on the stale copy and no versions turn over: the run goes on as if never drained.
+        current = _either(flight.live, state.params, state.stale_params)
+        (stats, grads), carry = window_gradients(layout, grad_fn, state.stale_params, current, batches,
                                                  flight.carry, scale, flight.live, has_current)
         grads, held = experts.hold_bias(jax.tree.map(lambda g: g / scale, grads))
         finite = all_finite(grads) if checks_finite else None
@@ -73,10 +79,16 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
                    "loss_scale": scale, "skipped_steps": loss_scale.skipped_steps, **experts.step_metrics(stats),
                    **pipeline.step_metrics(), "completed": flight.live}
         in_flight = InFlight(carry, own, noise_B, has_current)
-        return TrainState(state.step + has_current.astype(jnp.int32), params, opt_state, loss_scale, state.params,
+        stale = _either(flight.live, state.params, state.stale_params)
+        return TrainState(state.step + has_current.astype(jnp.int32), params, opt_state, loss_scale, stale,
                           state.outer, in_flight), metrics
 
     return train_step
+
+
+def _either(pred, a, b):
+    """a where pred else b, leaf by leaf."""
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
 def in_flight_specs(layout: Layout, in_flight: InFlight) -> InFlight:
