@@ -45,6 +45,25 @@ def train_here(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+def steps_saved(cfg, steps: int, lags: bool = False) -> list[int]:
+    """The steps a run of `steps` steps under `cfg` checkpoints (jaxpar.train.saves.Saves, with nothing
+    saved for real), its trainer's steps lagging by one (2BW) or not."""
+    from types import SimpleNamespace
+
+    from jaxpar.train.saves import Saves
+
+    written = []
+    checkpoints = SimpleNamespace(save=lambda step, state, trainer: written.append(step))
+    local = SimpleNamespace(every=0, due=lambda step: False)
+    timeline = SimpleNamespace(save=lambda step, seconds, kind: None)
+    saves = Saves(cfg, SimpleNamespace(lags=lags), checkpoints, local, timeline, lambda seconds: None)
+    for step in range(1, steps + 1):
+        if saves.due(step, stopping=False):
+            saves.save(step, None, stopping=False)
+    saves.final(steps, None)
+    return written
+
+
 def copy_of(run_dir: Path, tmp_path: Path) -> Path:
     target = tmp_path / "run"
     shutil.copytree(run_dir, target)

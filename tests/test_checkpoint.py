@@ -10,7 +10,7 @@ runs, the reference and the helpers are in conftest.py, shared with test_checkpo
 
 import numpy as np
 import pytest
-from helpers import BASE, checkpoint_steps, copy_of, metrics, partial_saves, train_here
+from helpers import BASE, checkpoint_steps, copy_of, metrics, partial_saves, steps_saved, train_here
 
 from jaxpar.train.checkpoint import Checkpoints
 
@@ -50,22 +50,10 @@ def test_a_completed_run_keeps_its_final_state_unless_told_not_to(tmp_path, caps
                                                ({"checkpoint.every": 3}, [3, 6]), ({"checkpoint.final": False}, [])])
 def test_the_final_save_is_made_once(overrides, saved):
     """A periodic save at the last step is the final one too: the step is not saved twice."""
-    from types import SimpleNamespace
-
     from jaxpar.config import Config
-    from jaxpar.train.saves import Saves
 
-    written = []
-    checkpoints = SimpleNamespace(save=lambda step, state, trainer: written.append(step))
-    local = SimpleNamespace(every=0, due=lambda step: False)
-    timeline = SimpleNamespace(save=lambda step, seconds, kind: None)
-    trainer = SimpleNamespace(lags=False)  # (2BW's last periodic save waits for the drain: test_two_bw.py)
-    saves = Saves(Config().replace(**overrides), trainer, checkpoints, local, timeline, lambda seconds: None)
-    for step in range(1, 7):
-        if saves.due(step, stopping=False):
-            saves.save(step, None, stopping=False)
-    saves.final(6, None)
-    assert written == saved
+    # (2BW's last periodic save waits for the drain: test_two_bw.py)
+    assert steps_saved(Config().replace(**overrides), 6) == saved
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import SMALL_MODEL
+from helpers import SMALL_MODEL, steps_saved
 
 from jaxpar.parallel.schedules import (
     Action,
@@ -156,22 +156,9 @@ def test_resume_from_between_any_two_steps_is_exact(tmp_path):
 def test_the_last_save_waits_for_the_drain(overrides, saved):
     """Under 2BW the state after the last step still has it in flight: its save, periodic or final, is the
     drained state's, made once after the drain."""
-    from types import SimpleNamespace
-
     from jaxpar.config import Config
-    from jaxpar.train.saves import Saves
 
-    written = []
-    checkpoints = SimpleNamespace(save=lambda step, state, trainer: written.append(step))
-    local = SimpleNamespace(every=0, due=lambda step: False)
-    timeline = SimpleNamespace(save=lambda step, seconds, kind: None)
-    cfg = Config().replace(**overrides).replace(**{"train.steps": 6})
-    saves = Saves(cfg, SimpleNamespace(lags=True), checkpoints, local, timeline, lambda seconds: None)
-    for step in range(1, 7):
-        if saves.due(step, stopping=False):
-            saves.save(step, None, stopping=False)
-    saves.final(6, None)
-    assert written == saved
+    assert steps_saved(Config().replace(**overrides).replace(**{"train.steps": 6}), 6, lags=True) == saved
 
 
 @pytest.mark.slow

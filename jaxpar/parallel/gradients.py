@@ -41,7 +41,6 @@ def gradients(layout: Layout, grad_fn: Callable, params, batch, *args):
     Partitioned by the compiler, it sees the global batch and its means are the global ones
     already. Gradients are in the `grad_specs` layout.
     """
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     grad_specs = layout.grad_specs(params)
 
     def per_shard(params, batch, *args):
@@ -49,11 +48,7 @@ def gradients(layout: Layout, grad_fn: Callable, params, batch, *args):
         target = hooks.differentiated(params)
         with layout_hooks(hooks):
             stats, grads = grad_fn(hooks, target, batch, *args)
-        # (a pipeline's loss is nonzero on the last stage only, hence the sum over `stage` too)
-        stats = jax.tree.map(lambda x: jax.lax.psum(x, layout.manual) / layout.manual_batch_ways, stats)
-        grads = jax.tree_util.tree_map_with_path(lambda p, g: _reduce(layout, g, path_names(p)), trainable(grads),
-                                                 is_leaf=is_variable)
-        return stats, grads
+        return _shard_means(layout, stats, grads)
 
     if not layout.manual:  # no stages, no experts: the compiler partitions it all
         hooks = PartitionerHooks(layout)
@@ -61,14 +56,30 @@ def gradients(layout: Layout, grad_fn: Callable, params, batch, *args):
             stats, grads = grad_fn(hooks, params, batch, *args)
         grads = trainable(grads)
     else:
-        manual_in = jax.tree.map(lambda s: manual_part(s, layout.manual), layout.param_specs(params), is_leaf=is_spec)
-        manual_out = jax.tree.map(lambda s: manual_part(s, layout.manual), grad_specs, is_leaf=is_spec)
+        manual_in, manual_out = _manual_specs(layout, params)
         fn = jax.shard_map(per_shard, mesh=layout.mesh, axis_names=set(layout.manual), check_vma=False,
                            in_specs=(manual_in, PartitionSpec(layout.manual_data)) + (PartitionSpec(),) * len(args),
                            out_specs=(PartitionSpec(), manual_out))
         stats, grads = fn(params, batch, *args)
     if layout.zero.shards_gradients and not layout.manual_data:  # the shards, reduced layer by layer in backward
         grads = jax.lax.with_sharding_constraint(grads, layout.named(grad_specs))
+    return stats, grads
+
+
+def _manual_specs(layout: Layout, params) -> tuple:
+    """The manual axes' part of the parameters' specs (shard_map's in_specs for them) and of the
+    gradients' (its out_specs)."""
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    return tuple(jax.tree.map(lambda s: manual_part(s, layout.manual), specs, is_leaf=is_spec)
+                 for specs in (layout.param_specs(params), layout.grad_specs(params)))
+
+
+def _shard_means(layout: Layout, stats, grads) -> tuple:
+    """Inside the shard_map: (stats, gradients) as means over the data-parallel shards (_reduce). A
+    pipeline's loss is nonzero on the last stage only, hence the sum over `stage` too."""
+    stats = jax.tree.map(lambda x: jax.lax.psum(x, layout.manual) / layout.manual_batch_ways, stats)
+    grads = jax.tree_util.tree_map_with_path(lambda p, g: _reduce(layout, g, path_names(p)), trainable(grads),
+                                             is_leaf=is_variable)
     return stats, grads
 
 
@@ -99,19 +110,14 @@ def window_gradients(layout: Layout, grad_fn: Callable, stale, params, batches, 
     *args) -> ((stats, grads) of the previous step's batch, carry) runs the step's window on each device.
     Returns the previous step's (stats, grads), reduced as `gradients` reduces them, and what stays in
     flight, each device's own (carry_spec; carry None: nothing is in flight yet)."""
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    manual_in = jax.tree.map(lambda s: manual_part(s, layout.manual), layout.param_specs(params), is_leaf=is_spec)
-    manual_out = jax.tree.map(lambda s: manual_part(s, layout.manual), layout.grad_specs(params), is_leaf=is_spec)
+    manual_in, manual_out = _manual_specs(layout, params)
 
     def per_shard(stale, params, batches, carry, *args):
         hooks = ManualHooks.for_params(layout, params)
         local = None if carry is None else jax.tree.map(lambda a: a[0], carry)
         with layout_hooks(hooks):
             (stats, grads), local = grad_fn(hooks, stale, params, batches, local, *args)
-        stats = jax.tree.map(lambda x: jax.lax.psum(x, layout.manual) / layout.manual_batch_ways, stats)
-        grads = jax.tree_util.tree_map_with_path(lambda p, g: _reduce(layout, g, path_names(p)), trainable(grads),
-                                                 is_leaf=is_variable)
-        return stats, grads, jax.tree.map(lambda a: a[None], local)
+        return *_shard_means(layout, stats, grads), jax.tree.map(lambda a: a[None], local)
 
     fn = jax.shard_map(per_shard, mesh=layout.mesh, axis_names=set(layout.manual), check_vma=False,
                        in_specs=(manual_in, manual_in, PartitionSpec(layout.manual_data),

@@ -66,7 +66,7 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
         scale = state.loss_scale.scale
         # With nothing in flight (a start, or after a drain, which applied the last step's update early), the
         # step's batch runs on the stale copy and no versions turn over: the run goes on as if never drained.
-        current = _either(flight.live, state.params, state.stale_params)
+        current = unless_skipped(flight.live, state.params, state.stale_params)
         (stats, grads), carry = window_gradients(layout, grad_fn, state.stale_params, current, batches,
                                                  flight.carry, scale, flight.live, has_current)
         grads, held = experts.hold_bias(jax.tree.map(lambda g: g / scale, grads))
@@ -79,16 +79,11 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
                    "loss_scale": scale, "skipped_steps": loss_scale.skipped_steps, **experts.step_metrics(stats),
                    **pipeline.step_metrics(), "completed": flight.live}
         in_flight = InFlight(carry, own, noise_B, has_current)
-        stale = _either(flight.live, state.params, state.stale_params)
+        stale = unless_skipped(flight.live, state.params, state.stale_params)
         return TrainState(state.step + has_current.astype(jnp.int32), params, opt_state, loss_scale, stale,
                           state.outer, in_flight), metrics
 
     return train_step
-
-
-def _either(pred, a, b):
-    """a where pred else b, leaf by leaf."""
-    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
 def in_flight_specs(layout: Layout, in_flight: InFlight) -> InFlight:
