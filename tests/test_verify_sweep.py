@@ -18,7 +18,7 @@ MESHES = [  # (data, tensor, expert, stage, context) over 8 devices
 ]
 CHOICES = {
     "parallel.zero": ["0", "1", "2", "3"],
-    "parallel.pipeline.schedule": ["gpipe", "1f1b", "zb-h1"],
+    "parallel.pipeline.schedule": ["gpipe", "1f1b", "zb-h1", "2bw", "naive"],
     "parallel.context_attention": ["ring", "allgather"],
     "parallel.grad_reduce_dtype": ["fp32", "bf16"],
     "train.precision": ["fp32", "fp32", "bf16"],
@@ -45,6 +45,8 @@ def draw(index: int) -> list[str]:
                  f"mesh.context={context}", "parallel.context_balance=false", "model.n_layers=4", "model.n_heads=4",
                  "train.batch_size=16", "train.steps=2", *SMALL_MODEL]
     overrides += [f"{key}={values[rng.integers(len(values))]}" for key, values in CHOICES.items()]
+    if "parallel.pipeline.schedule=naive" in overrides:  # one batch, no microbatches
+        overrides.append("parallel.pipeline.microbatches=1")
     if expert > 1 or rng.random() < 0.7:
         overrides += ["model.moe.experts=4", "model.moe.every=1"]
         overrides += [f"{key}={values[rng.integers(len(values))]}" for key, values in EXPERTS.items()]
@@ -59,7 +61,11 @@ def draw(index: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(DRAWS))
 def test_a_random_layout_verifies_or_is_refused_in_one_sentence(index, tmp_path):
-    overrides = draw(index)
+    check_draw(draw(index), tmp_path)
+
+
+def check_draw(overrides: list[str], tmp_path) -> None:
+    """One draw verifies against one device, or is refused in one sentence."""
     try:
         session = prepare(load_config(None, [f"run.dir={tmp_path / 'run'}", *overrides]))
     except ConfigError as refusal:
