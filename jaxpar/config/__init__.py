@@ -20,79 +20,16 @@ from typing import Literal, Union
 
 import yaml
 
-from jaxpar.config.adapters import LoRAConfig
-from jaxpar.config.moe import MoEConfig
+from jaxpar.config.adapters import LoRAConfig as LoRAConfig  # the sections of their own modules, re-exported
+from jaxpar.config.mla import MLAConfig as MLAConfig
+from jaxpar.config.model import ModelConfig as ModelConfig
+from jaxpar.config.moe import MoEConfig as MoEConfig
+from jaxpar.config.mtp import MTPConfig as MTPConfig
+from jaxpar.config.parallel import ParallelConfig as ParallelConfig
+from jaxpar.config.parallel import PipelineConfig as PipelineConfig
 from jaxpar.config.preference import PreferenceConfig
 from jaxpar.config.rl import RLConfig
 from jaxpar.errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Shape of the decoder-only transformer."""
-
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 0  # key/value heads (grouped-query attention; 1: multi-query); 0: as many as n_heads
-    head_dim: int = 0  # width of one attention head; 0: d_model / n_heads (Qwen 3 sets its own)
-    d_ff: int = 512
-    seq_len: int = 128
-    positions: Literal["rope", "learned"] = "rope"
-    rope_theta: float = 10000.0  # base of the rotary angles (Llama 3: 500000)
-    # rotary frequencies rescaled for a longer context: linear (all divided by rope_factor), or llama3 (Llama
-    # 3.1/3.2: wavelengths beyond original_context / low_freq_factor divided by rope_factor, those under
-    # original_context / high_freq_factor kept, the band between interpolated)
-    rope_scaling: Literal["none", "linear", "llama3"] = "none"
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_context: int = 8192
-    norm_eps: float = 1e-5  # RMSNorm's epsilon
-    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen 2/2.5)
-    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary positions (Qwen 3)
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    # dot: the L x L scores; flash: blockwise, O(L) memory on any backend; cudnn: jax.nn.dot_product_attention's
-    # cuDNN kernel (GPU, bf16/fp16); auto: cudnn where it runs, else flash over several blocks, else dot
-    attention: Literal["dot", "flash", "cudnn", "auto"] = "dot"
-    flash_block_q: int = 512  # query positions per flash block (at most seq_len)
-    flash_block_kv: int = 512  # key positions per flash block (at most seq_len)
-    tie_embeddings: bool = True
-    # the embedding and output rows are vocab_size rounded up to a multiple of this (say mesh.tensor, for
-    # tensor parallelism); the padded rows are never looked up, their logits never win, and export drops them
-    vocab_multiple: int = 1
-    # a Hugging Face checkpoint folder (config.json + *.safetensors): the shape comes from its config.json
-    # and the first step starts from its weights
-    from_hf: str = ""
-    # an earlier run's folder: the shape from its config and the first step from its newest checkpoint's weights
-    from_run: str = ""
-    moe: MoEConfig = MoEConfig()
-    lora: LoRAConfig = LoRAConfig()
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads: n_kv_heads, or n_heads when it is 0."""
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_size(self) -> int:
-        """Width of one attention head: head_dim, or d_model / n_heads when it is 0."""
-        return self.head_dim or self.d_model // self.n_heads
-
-    @property
-    def expert_d_ff(self) -> int:
-        """Hidden width of each routed and shared expert: model.moe.d_ff, or model.d_ff when it is 0."""
-        return self.moe.d_ff or self.d_ff
-
-    @property
-    def padded_vocab(self) -> int:
-        """Rows of the embedding and of the output: vocab_size rounded up to a multiple of vocab_multiple."""
-        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
-
-    def flash_blocks(self) -> tuple[int, int]:
-        """The flash block sizes (query, key) this sequence length uses: the configured ones, at most seq_len."""
-        return min(self.flash_block_q, self.seq_len), min(self.flash_block_kv, self.seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,38 +87,6 @@ class TrainConfig:
     @property
     def offloads_activations(self) -> bool:
         return self.offload in ("activations", "both")
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """Pipeline parallelism over mesh.stage: schedule, microbatches per step, virtual stages per device."""
-
-    schedule: Literal["naive", "gpipe", "1f1b", "interleaved", "2bw", "zb-h1", "zbv"] = "1f1b"
-    microbatches: int = 4
-    virtual: int = 1
-    recompute: bool = False  # 1F1B-type schedules: redo each forward in backward, keep only its input
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """How work and state are partitioned beyond plain data/tensor parallelism."""
-
-    zero: Literal[0, 1, 2, 3] = 0  # ZeRO stage over the data-parallel devices (jaxpar.features.data.ZeroStage)
-    # Megatron sequence parallelism: between blocks the residual stream's sequence is split over mesh.tensor
-    sequence: bool = False
-    # the data-parallel gradient reductions' payload (bf16: half the bytes; accumulated into fp32 either way)
-    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    # local SGD (DiLoCo): each data-parallel replica takes sync_every steps on its own rows, then the replicas
-    # synchronize: `avg` averages weights, `nesterov` takes an outer Nesterov step on the averaged change (1: sync)
-    sync_every: int = 1
-    outer: Literal["avg", "nesterov"] = "avg"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    pipeline: PipelineConfig = PipelineConfig()
-    # mesh.context > 1: attention across the split sequence (jaxpar.parallel.context), its key/value blocks passed
-    # round a ring or all-gathered; balanced: device i holds chunks i and 2C-1-i of 2C, the same causal work for all
-    context_attention: Literal["ring", "allgather"] = "ring"
-    context_balance: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

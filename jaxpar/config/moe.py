@@ -19,11 +19,18 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     noise: bool = True
-    mlp: Literal["gelu", "swiglu"] = "gelu"  # each expert's MLP (swiglu: Mixtral, Qwen-MoE, DeepSeek)
+    # each expert's MLP (swiglu: Mixtral, Qwen-MoE, DeepSeek; gpt_oss: its clamped SwiGLU with biases)
+    mlp: Literal["gelu", "swiglu", "gpt_oss"] = "gelu"
     d_ff: int = 0  # each expert's hidden width; 0: model.d_ff (fine-grained experts: smaller, and more of them)
     shared: int = 0  # always-on experts of width d_ff beside the routed ones, split over tensor like the dense MLP
     score: Literal["softmax", "sigmoid"] = "softmax"  # top-k's scores (sigmoid: DeepSeek-V3)
     renormalize: bool = True  # top-k: the chosen experts' weights scaled to sum to 1 (Mixtral, Qwen3-MoE)
+    logit_bias: bool = False  # a learned bias on the router's logits (gpt-oss)
+    # group-limited routing (DeepSeek-V3): the experts in expert_groups equal groups, each token choosing its
+    # top_k among the topk_groups groups whose two best scores sum highest
+    expert_groups: int = 1
+    topk_groups: int = 1
+    first_dense: int = 0  # the first layers keep a dense MLP (DeepSeek-V3: 3), the experts start after them
     routed_scale: float = 1.0  # the routed experts' output multiplied by this (DeepSeek-V3: 2.5)
     balance: Literal["aux", "bias"] = "aux"  # top-k's: an auxiliary loss, or a bias on the scores (DeepSeek-V3)
     bias_rate: float = 0.003  # the bias's move per step (measured on the default model: docs/moe.md)

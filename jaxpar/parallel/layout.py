@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import ParallelConfig
+from jaxpar.config.parallel import ParallelConfig
 from jaxpar.config.precision import POLICIES, PrecisionPolicy
 from jaxpar.features.data import ZeroStage
 from jaxpar.model.axes import constrain, is_stacked, is_variable, logical_names, path_names
