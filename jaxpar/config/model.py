@@ -4,6 +4,7 @@ sections for experts, adapters, latent attention and multi-token prediction."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from jaxpar.config.adapters import LoRAConfig
@@ -98,6 +99,38 @@ class ModelConfig:
     def padded_vocab(self) -> int:
         """Rows of the embedding and of the output: vocab_size rounded up to a multiple of vocab_multiple."""
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def unit_blocks(self) -> int:
+        """Blocks per scanned unit: a period of the MoE layers (every moe.every-th) and of the local and
+        global pattern, so that each block of a unit has the same kind in every unit."""
+        every = self.moe.every if self.moe.experts else 1
+        period = len(self.attention_pattern) if self.window and self.attention_pattern else 1
+        return math.lcm(max(every, 1), period)
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the dense MLP has a gate (swiglu, geglu): a fused gate and up weight."""
+        return self.mlp != "gelu"
+
+    @property
+    def has_layer_units(self) -> bool:
+        """Whether the scanned unit is a group of blocks (jaxpar.model.transformer.LayerUnit: an MoE model,
+        or several blocks a period) rather than one block; its weights then sit under blocks/blocks/<j>."""
+        return bool(self.moe.experts) or self.unit_blocks > 1
+
+    @property
+    def units(self) -> int:
+        """How many units the layers stack into (the scan's length)."""
+        return self.n_layers // self.unit_blocks
+
+    def block_is_moe(self, block: int) -> bool:
+        """Whether block `block` of a unit (or of the model) holds the experts: every moe.every-th."""
+        return bool(self.moe.experts) and (block + 1) % self.moe.every == 0
+
+    @property
+    def moe_blocks_per_unit(self) -> int:
+        return sum(self.block_is_moe(j) for j in range(self.unit_blocks))
 
     def layer_is_local(self, layer: int) -> bool:
         """Whether model layer `layer` attends through the window (model.window, model.attention_pattern)."""

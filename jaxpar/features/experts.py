@@ -22,6 +22,9 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
         yield f"model.moe.experts={moe.experts} is not divisible by mesh.expert={sizes['expert']}."
     if moe.every <= 0 or m.n_layers % moe.every:
         yield f"model.n_layers={m.n_layers} is not divisible by model.moe.every={moe.every}."
+    elif m.n_layers % m.unit_blocks:
+        yield (f"model.n_layers={m.n_layers} is not divisible by {m.unit_blocks}, the period of model.moe.every="
+               f"{moe.every} and model.attention_pattern={m.attention_pattern!r}.")
     if moe.chooses_top_k and not 0 < moe.top_k <= moe.experts:
         yield f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.experts={moe.experts}."
     if moe.capacity_factor <= 0:

@@ -43,10 +43,10 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
                f"divisible by 2 x mesh.stage = {2 * S}.")
     if L % (S * v):
         yield f"model.n_layers={L} is not divisible by mesh.stage x virtual stages = {S} x {v}."
-    moe = cfg.model.moe
-    if moe.experts and moe.every > 0 and (L // moe.every) % (S * v):
-        yield (f"the {L // moe.every} units of model.moe.every={moe.every} layers are not divisible by "
-               f"mesh.stage x virtual stages = {S} x {v}.")
+    m = cfg.model
+    if m.unit_blocks > 1 and m.units % (S * v):
+        yield (f"the {m.units} units of {m.unit_blocks} layers (the period of model.moe.every and "
+               f"model.attention_pattern) are not divisible by mesh.stage x virtual stages = {S} x {v}.")
     yield from _schedule_checks(cfg, sizes, v)
 
 

@@ -174,13 +174,13 @@ def tensor_maps(m: ModelConfig) -> list[TensorMap]:
             TensorMap(("final_norm", "scale"), ("model.norm.weight",), (D,), (D,), (0,))]
     if not m.tie_embeddings:
         maps.append(TensorMap(("head",), ("lm_head.weight",), (V, D), (V, D), (1, 0), pad=(1, V, padded)))
-    if not m.moe.experts:
+    if not m.has_layer_units:
         return maps + _block_maps(m, ("blocks",), functools.partial(TensorMap, layers=m.n_layers), moe=False)
-    # The scanned unit of an MoE model: `every` blocks, the last one's MLP the experts (jaxpar.model.transformer)
-    every = m.moe.every
+    # The scanned unit of several blocks: every moe.every-th one's MLP the experts (jaxpar.model.transformer)
+    every = m.unit_blocks
     for j in range(every):
-        stacked = functools.partial(TensorMap, layers=m.n_layers // every, layer_step=every, layer_offset=j)
-        maps += _block_maps(m, ("blocks", "blocks", str(j)), stacked, moe=j == every - 1)
+        stacked = functools.partial(TensorMap, layers=m.units, layer_step=every, layer_offset=j)
+        maps += _block_maps(m, ("blocks", "blocks", str(j)), stacked, moe=m.block_is_moe(j))
     return maps
 
 

@@ -45,7 +45,7 @@ def check_exportable(m: ModelConfig) -> None:
 
 def adapted_targets(m: ModelConfig) -> list[str]:
     """The targets that carry adapters in a dense model of `m` (gate only where the MLP is gated)."""
-    return [t for t in m.lora.target_set if t in MODULES and (t != "gate" or m.mlp == "swiglu")]
+    return [t for t in m.lora.target_set if t in MODULES and (t != "gate" or m.gated_mlp)]
 
 
 def adapter_tensors(values: dict, m: ModelConfig) -> dict[str, np.ndarray]:

@@ -45,7 +45,7 @@ class Attention(nnx.Module):
     (`model.qk_norm`).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, local: bool = False):
         D, H, G, K = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size
         self.fused_qkv = G == H
         if self.fused_qkv:

@@ -11,17 +11,22 @@ from jaxpar.config import ModelConfig
 from jaxpar.model.adapters import adapters, lora_output, with_lora
 from jaxpar.model.axes import column_parallel, constrain, param, row_parallel
 
+# The gated MLPs' activations on the gate (jax.nn.gelu is the tanh approximation, gelu_pytorch_tanh).
+GATED = {"swiglu": jax.nn.silu, "geglu": jax.nn.gelu}
+
 
 class MLP(nnx.Module):
-    """GeLU or SwiGLU MLP: up-projection split by columns, down-projection by rows (Megatron).
+    """GeLU, SwiGLU or GeGLU MLP: up-projection split by columns, down-projection by rows (Megatron).
 
-    SwiGLU (`model.mlp=swiglu`, Llama): silu(x W_gate) * (x W_up), then W_down; the gate and up
-    weights share one fused weight (one matmul), each of them split by columns.
+    SwiGLU (`model.mlp=swiglu`, Llama): silu(x W_gate) * (x W_up), then W_down; GeGLU (`geglu`,
+    Gemma): the tanh-approximated gelu in place of silu. The gate and up weights share one fused
+    weight (one matmul), each of them split by columns.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.d_ff
-        self.gated = cfg.mlp == "swiglu"
+        self.gated = cfg.gated_mlp
+        self.activation = GATED.get(cfg.mlp, jax.nn.gelu)
         if self.gated:  # slot 0: gate, slot 1: up
             self.w_gate_up = param(rngs.params(), (D, 2, F), ("embed", None, "mlp"), D ** -0.5)
         else:
@@ -38,7 +43,7 @@ class MLP(nnx.Module):
             fused = ("batch", "seq", None, "mlp")
             gate_up_BLQF = with_lora(column_parallel("BLD,DQF->BLQF", x_BLD, self.w_gate_up, residual, fused),
                                      lora_output(x_BLD, (self.lora_gate, self.lora_up), residual, fused, keys_B=keys_B))
-            h_BLF = jax.nn.silu(gate_up_BLQF[:, :, 0]) * gate_up_BLQF[:, :, 1]
+            h_BLF = self.activation(gate_up_BLQF[:, :, 0]) * gate_up_BLQF[:, :, 1]
         else:
             h_BLF = jax.nn.gelu(with_lora(column_parallel("BLD,DF->BLF", x_BLD, self.w_up, residual, hidden),
                                           lora_output(x_BLD, self.lora_up, residual, hidden, keys_B=keys_B)))

@@ -28,12 +28,17 @@ class ExpertTerms:
     traced_units: int
     traced_batches: int
     keyed_rows: bool = False
+    moe_per_unit: int = 1  # MoE blocks per scanned unit (model.unit_blocks / moe.every)
 
     @classmethod
     def build(cls, moe: MoEConfig, seed: int, n_layers: int, traced_batches: int, trace_routing: bool,
-              keyed_rows: bool = False) -> ExpertTerms:
+              keyed_rows: bool = False, moe_per_unit: int = 1) -> ExpertTerms:
         traced_units = n_layers // moe.every if trace_routing and moe.experts else 0
-        return cls(moe, seed, traced_units, traced_batches, keyed_rows)
+        return cls(moe, seed, traced_units, traced_batches, keyed_rows, max(moe_per_unit, 1))
+
+    def routing_stats(self, sums: dict, units: int) -> dict:
+        """routing_stats over `units` (stacked unit, microbatch) pairs, each unit's sums over its MoE blocks."""
+        return routing_stats(sums, units * self.moe_per_unit)
 
     def row_inputs(self, step: jax.Array, rows: int, replay_BULE: jax.Array | None):
         """(a PRNG key per row for routing noise and the adapters' dropout, or None; the routing trace, or

@@ -33,8 +33,12 @@ class RoutingTrace:
     units: int = dataclasses.field(default=1, metadata={"static": True})
 
     def at_layer(self, layer_id: jax.Array) -> RoutingTrace:
-        """This trace inside stacked layer `layer_id` (its index in model order)."""
+        """This trace inside MoE layer `layer_id` (its index among the MoE layers, in model order)."""
         return dataclasses.replace(self, layer_U=jax.nn.one_hot(layer_id, self.units, dtype=jnp.float32))
+
+    def after(self, layers: int) -> RoutingTrace:
+        """The trace of the MoE layer `layers` after this one (the next MoE blocks of a scanned unit)."""
+        return self if layers == 0 else dataclasses.replace(self, layer_U=jnp.roll(self.layer_U, layers))
 
     def replayed(self, groups: int) -> jax.Array | None:
         """This layer's decisions to replay, (G, N, E) like the router's scores; None: route freely."""

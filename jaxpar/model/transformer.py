@@ -20,46 +20,64 @@ from jaxpar.model.segments import Segments
 
 
 class Block(nnx.Module):
-    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (the MLP may be an MoE).
+    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (the MLP may be an MoE); with
+    model.sandwich_norm, each sublayer's output is normalized too before it joins the residual (Gemma).
+    `local`: its attention looks through model.window (the layer's kind in model.attention_pattern).
 
     Returns the new residual stream and routing statistics ({} for a dense MLP).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, local: bool = False):
+        norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.norm_offset)  # noqa: E731
+        self.attn_norm = norm()
+        self.attn = Attention(cfg, rngs=rngs, local=local)
+        self.attn_post_norm = norm() if cfg.sandwich_norm else None
+        self.mlp_norm = norm()
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
+        self.mlp_post_norm = norm() if cfg.sandwich_norm else None
 
     def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, segments: Segments | None = None,
                  routing: RoutingTrace | None = None):
-        return self._feed_forward(x_BLD + self.attn(self.attn_norm(x_BLD), segments, noise_B), noise_B, routing)
+        y_BLD = _post(self.attn_post_norm, self.attn(self.attn_norm(x_BLD), segments, noise_B))
+        return self._feed_forward(x_BLD + y_BLD, noise_B, routing)
 
     def decode(self, x_BLD: jax.Array, cache: KVCache):
         """The block on the next positions with its attention's key/value cache: (x, cache)."""
         y_BLD, cache = self.attn.decode(self.attn_norm(x_BLD), cache)
-        return self._feed_forward(x_BLD + y_BLD, None, None)[0], cache
+        return self._feed_forward(x_BLD + _post(self.attn_post_norm, y_BLD), None, None)[0], cache
 
     def _feed_forward(self, x_BLD: jax.Array, noise_B: jax.Array | None, routing: RoutingTrace | None):
         if isinstance(self.mlp, MoE):
             y_BLD, stats = self.mlp(self.mlp_norm(x_BLD), noise_B, routing)
-            return x_BLD + y_BLD, stats
-        return x_BLD + self.mlp(self.mlp_norm(x_BLD), noise_B), {}
+            return x_BLD + _post(self.mlp_post_norm, y_BLD), stats
+        return x_BLD + _post(self.mlp_post_norm, self.mlp(self.mlp_norm(x_BLD), noise_B)), {}
 
 
-class MoEUnit(nnx.Module):
-    """The scanned unit of an MoE model: `every - 1` dense blocks, then one MoE block."""
+def _post(norm: RMSNorm | None, y_BLD: jax.Array) -> jax.Array:
+    """A sublayer's output, normalized where the block has sandwich norms."""
+    return y_BLD if norm is None else norm(y_BLD)
+
+
+class LayerUnit(nnx.Module):
+    """The scanned unit when layers differ: model.unit_blocks blocks, one period of the MoE layers
+    (every moe.every-th block holds the experts) and of the local and global attention pattern, so
+    each block's kind is fixed. Its routing statistics are the sums over its MoE blocks."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        every = cfg.moe.every
-        self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=i == every - 1) for i in range(every)])
+        self.blocks = nnx.List([Block(cfg, rngs=rngs, moe=cfg.block_is_moe(j), local=cfg.layer_is_local(j))
+                                for j in range(cfg.unit_blocks)])
 
     def __call__(self, x_BLD: jax.Array, noise_B: jax.Array | None = None, segments: Segments | None = None,
                  routing: RoutingTrace | None = None):
-        stats = {}
+        stats, moe_seen = {}, 0
         for block in self.blocks:
-            x_BLD, block_stats = block(x_BLD, noise_B, segments, routing)
-            stats = block_stats or stats
+            traced = None
+            if routing is not None and isinstance(block.mlp, MoE):  # the trace's layers are the MoE layers
+                traced = routing.after(moe_seen)
+            x_BLD, block_stats = block(x_BLD, noise_B, segments, traced)
+            if block_stats:
+                moe_seen += 1
+                stats = jax.tree.map(jnp.add, stats, block_stats) if stats else block_stats
         return x_BLD, stats
 
     def decode(self, x_BLD: jax.Array, caches: tuple[KVCache, ...]):
@@ -90,16 +108,20 @@ class Transformer(nnx.Module):
             param(rngs.params(), (cfg.seq_len, D), ("pos", "embed"), 0.02) if cfg.positions == "learned" else None
         )
 
-        unit, units = (MoEUnit, cfg.n_layers // cfg.moe.every) if cfg.moe.experts else (Block, cfg.n_layers)
 
-        @nnx.split_rngs(splits=units)
+        @nnx.split_rngs(splits=cfg.units)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked_blocks(rngs: nnx.Rngs):
-            return unit(cfg, rngs=rngs)
+            if cfg.has_layer_units:
+                return LayerUnit(cfg, rngs=rngs)
+            return Block(cfg, rngs=rngs, local=cfg.layer_is_local(0))
 
         self.blocks = stacked_blocks(rngs)
-        self.blocks_per_unit = cfg.moe.every if cfg.moe.experts else 1
-        self.final_norm = RMSNorm(D, cfg.norm_eps)
+        self.blocks_per_unit = cfg.unit_blocks
+        self.moe_blocks_per_unit = max(cfg.moe_blocks_per_unit, 1)
+        self.embed_scale = cfg.d_model ** 0.5 if cfg.embed_scale else None
+        self.final_softcap = cfg.final_softcap
+        self.final_norm = RMSNorm(D, cfg.norm_eps, offset=cfg.norm_offset)
         self.head = None if cfg.tie_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), D ** -0.5)
         if cfg.lora.enabled:  # only the adapters train
             freeze(self, cfg.lora)
@@ -110,7 +132,7 @@ class Transformer(nnx.Module):
         return self.logits(self.run_blocks(self.embed(tokens_BL, positions), segments=segments)[0])
 
     def stacked_layers(self) -> int:
-        """How many layers are stacked (scanned units: blocks, or MoE units of moe.every blocks)."""
+        """How many layers are stacked (scanned units: blocks, or units of model.unit_blocks blocks)."""
         return stacked_layers(nnx.state(self.blocks))
 
     def embed(self, tokens_BL: jax.Array, first_position: jax.Array | int = 0) -> jax.Array:
@@ -124,6 +146,8 @@ class Transformer(nnx.Module):
         # only then split along the sequence: asked for split output directly, the partitioner
         # gathers the whole vocabulary-split table instead.
         x_BLD = constrain(jnp.take(self.embedding[...], tokens_BL, axis=0), ("batch", "seq", "embed"))
+        if self.embed_scale is not None:  # Gemma: sqrt(d_model) rounded to the compute dtype, as transformers does
+            x_BLD = x_BLD * jnp.asarray(self.embed_scale, x_BLD.dtype)
         x_BLD = constrain(x_BLD, ("batch", "residual_seq", "embed"))
         if self.pos_embedding is not None:
             if jnp.ndim(first_position) == 2:
@@ -144,6 +168,8 @@ class Transformer(nnx.Module):
             logits_BLV = column_parallel("BLD,VD->BLV", x_BLD, self.embedding, residual, names, jnp.float32)
         else:
             logits_BLV = column_parallel("BLD,DV->BLV", x_BLD, self.head, residual, names, jnp.float32)
+        if self.final_softcap:
+            logits_BLV = self.final_softcap * jnp.tanh(logits_BLV / self.final_softcap)
         if logits_BLV.shape[-1] > self.vocab_size:  # padded rows: never the target, never the argmax
             real_V = jnp.arange(logits_BLV.shape[-1]) < self.vocab_size
             logits_BLV = jnp.where(real_V, logits_BLV, jnp.finfo(logits_BLV.dtype).min)
@@ -172,11 +198,11 @@ class Transformer(nnx.Module):
     def empty_caches(self, cfg: ModelConfig, batch: int, positions: int, dtype=jnp.float32,
                      starts_B: jax.Array | None = None):
         """Key/value caches for `positions` slots, stacked like the layers: a KVCache per block, a tuple
-        of them per unit of an MoE model. starts_B: each row's first slot (left-padded prompts; 0)."""
+        of them per unit of several blocks. starts_B: each row's first slot (left-padded prompts; 0)."""
         one = KVCache.empty(batch, positions, cfg, dtype, starts_B)
         units = self.stacked_layers()
         stack = lambda cache: jax.tree.map(lambda a: jnp.broadcast_to(a, (units, *a.shape)), cache)  # noqa: E731
-        if isinstance(self.blocks, MoEUnit):
+        if isinstance(self.blocks, LayerUnit):
             return tuple(stack(one) for _ in range(self.blocks_per_unit))
         return stack(one)
 
@@ -201,7 +227,7 @@ class Transformer(nnx.Module):
 
         def one_layer(x_BLD, layer_state, layer_id):
             keys_B = None if noise_B is None else jax.vmap(lambda k: jax.random.fold_in(k, layer_id))(noise_B)
-            traced = None if routing is None else routing.at_layer(layer_id)
+            traced = None if routing is None else routing.at_layer(layer_id * self.moe_blocks_per_unit)
             return nnx.merge(graphdef, layer_state)(x_BLD, keys_B, segments, traced)
 
         return (scan or plain_scan)(one_layer, x_BLD, stacked, ids)

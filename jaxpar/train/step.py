@@ -23,7 +23,7 @@ from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.model.adapters import read_as, trainable, with_frozen, zero_grad
 from jaxpar.model.axes import layout_hooks
-from jaxpar.model.moe_step import ExpertTerms, routing_stats
+from jaxpar.model.moe_step import ExpertTerms
 from jaxpar.model.protocol import is_block_model
 from jaxpar.model.routing_trace import RoutingTrace
 from jaxpar.model.segments import Segments
@@ -172,7 +172,7 @@ def objective(model: nnx.Module, batch: PackedRows, rows: RowInputs, cfg: Config
     if not routing:
         return loss, stats
     aux, sums = experts.objective_terms(routing)
-    return loss + aux, {**stats, **routing_stats(sums, jax.tree.leaves(routing)[0].shape[0])}
+    return loss + aux, {**stats, **experts.routing_stats(sums, jax.tree.leaves(routing)[0].shape[0])}
 
 
 def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPolicy, scale: jax.Array,
@@ -247,7 +247,7 @@ def _gradient_fn(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: 
             stage_fns(graphdef, hooks, cfg, precision, scale, experts), params, layout.stacked_mask(params), micro)
         M = pipeline.table.microbatches
         head = {k: v / M for k, v in head_sums.items()}
-        return {"loss": loss / scale, **head, **routing_stats(sums, M * pipeline.stacked_layers)}, grads
+        return {"loss": loss / scale, **head, **experts.routing_stats(sums, M * pipeline.stacked_layers)}, grads
 
     return accumulated if pipeline.table is None else pipelined
 
@@ -301,7 +301,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
     t = cfg.train
     experts = ExpertTerms.build(cfg.model.moe, t.seed, cfg.model.n_layers,
                                 layout.manual_batch_ways * pipeline.microbatches(t.grad_accum), trace_routing,
-                                keyed_rows=cfg.model.lora.dropout > 0)
+                                keyed_rows=cfg.model.lora.dropout > 0,
+                                moe_per_unit=cfg.model.moe_blocks_per_unit)
     grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision, experts)
     prepare = _preparation(graphdef, cfg, layout, pipeline, precision)
     checks_finite = precision.loss_scaling or t.on_nonfinite == "skip"

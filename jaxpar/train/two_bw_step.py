@@ -22,7 +22,7 @@ from flax import nnx
 from jaxpar.config import Config
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.model.moe_step import ExpertTerms, routing_stats
+from jaxpar.model.moe_step import ExpertTerms
 from jaxpar.parallel.gradients import carry_spec, window_gradients
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.pipeline_plan import PipelinePlan
@@ -39,7 +39,8 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
     the metrics hold the previous step's routing decisions (jaxpar.model.moe_step; verify replays them)."""
     t, M = cfg.train, pipeline.table.microbatches
     experts = ExpertTerms.build(cfg.model.moe, t.seed, cfg.model.n_layers, layout.manual_batch_ways * M,
-                                trace_routing, keyed_rows=cfg.model.lora.dropout > 0)
+                                trace_routing, keyed_rows=cfg.model.lora.dropout > 0,
+                                moe_per_unit=cfg.model.moe_blocks_per_unit)
     prepare = _preparation(graphdef, cfg, layout, pipeline, precision)
     checks_finite = t.on_nonfinite == "skip"
 
@@ -50,7 +51,7 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
         (loss, (sums, head_sums), grads), carry = pipeline.window_value_and_grad(
             fns, stale, params, layout.stacked_mask(params), micro_2M, carry, live, has_current)
         stats = {"loss": loss / scale, **{k: v / M for k, v in head_sums.items()},
-                 **routing_stats(sums, M * pipeline.stacked_layers)}
+                 **experts.routing_stats(sums, M * pipeline.stacked_layers)}
         return (stats, grads), carry
 
     def train_step(state: TrainState, batch, has_current=True):
