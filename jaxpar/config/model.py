@@ -120,9 +120,14 @@ class ModelConfig:
         return bool(self.moe.experts) or self.unit_blocks > 1
 
     @property
+    def unit_layers(self) -> int:
+        """The layers stacked in units: all but the dense first ones (moe.first_dense)."""
+        return self.n_layers - self.moe.first_dense
+
+    @property
     def units(self) -> int:
         """How many units the layers stack into (the scan's length)."""
-        return self.n_layers // self.unit_blocks
+        return self.unit_layers // self.unit_blocks
 
     def block_is_moe(self, block: int) -> bool:
         """Whether block `block` of a unit (or of the model) holds the experts: every moe.every-th."""

@@ -44,6 +44,9 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
     if L % (S * v):
         yield f"model.n_layers={L} is not divisible by mesh.stage x virtual stages = {S} x {v}."
     m = cfg.model
+    if m.moe.experts and m.moe.first_dense:
+        yield ("model.moe.first_dense does not run in a pipeline yet (its dense first layers are a stack of their "
+               "own, outside the stages' units); train it with mesh.stage=1.")
     if m.unit_blocks > 1 and m.units % (S * v):
         yield (f"the {m.units} units of {m.unit_blocks} layers (the period of model.moe.every and "
                f"model.attention_pattern) are not divisible by mesh.stage x virtual stages = {S} x {v}.")

@@ -174,12 +174,15 @@ def tensor_maps(m: ModelConfig) -> list[TensorMap]:
             TensorMap(("final_norm", "scale"), ("model.norm.weight",), (D,), (D,), (0,))]
     if not m.tie_embeddings:
         maps.append(TensorMap(("head",), ("lm_head.weight",), (V, D), (V, D), (1, 0), pad=(1, V, padded)))
+    first = m.moe.first_dense if m.moe.experts else 0
+    if first:  # DeepSeek-V3's dense first layers, a stack of their own
+        maps += _block_maps(m, ("dense_blocks",), functools.partial(TensorMap, layers=first), moe=False)
     if not m.has_layer_units:
         return maps + _block_maps(m, ("blocks",), functools.partial(TensorMap, layers=m.n_layers), moe=False)
     # The scanned unit of several blocks: every moe.every-th one's MLP the experts (jaxpar.model.transformer)
     every = m.unit_blocks
     for j in range(every):
-        stacked = functools.partial(TensorMap, layers=m.units, layer_step=every, layer_offset=j)
+        stacked = functools.partial(TensorMap, layers=m.units, layer_step=every, layer_offset=first + j)
         maps += _block_maps(m, ("blocks", "blocks", str(j)), stacked, moe=m.block_is_moe(j))
     return maps
 

@@ -33,7 +33,7 @@ class ExpertTerms:
     @classmethod
     def build(cls, moe: MoEConfig, seed: int, n_layers: int, traced_batches: int, trace_routing: bool,
               keyed_rows: bool = False, moe_per_unit: int = 1) -> ExpertTerms:
-        traced_units = n_layers // moe.every if trace_routing and moe.experts else 0
+        traced_units = (n_layers - moe.first_dense) // moe.every if trace_routing and moe.experts else 0
         return cls(moe, seed, traced_units, traced_batches, keyed_rows, max(moe_per_unit, 1))
 
     def routing_stats(self, sums: dict, units: int) -> dict:

@@ -150,7 +150,7 @@ class Choices(NamedTuple):
 
 def topk_choices(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_GNE: jax.Array | None,
                  k: int, score: str = "softmax", renormalize: bool = True, bias_E: jax.Array | None = None,
-                 replay_GNE: jax.Array | None = None) -> Choices:
+                 replay_GNE: jax.Array | None = None, groups: tuple[int, int] = (1, 1)) -> Choices:
     """Noisy top-k gating (Shazeer et al. 2017): H = logits + N(0,1) * softplus(noise logits); keep
     the top k of H, softmax over them. Auxiliary loss: CV^2 of importance (sum of gates) plus
     CV^2 of load (the smooth probability of each expert being in the top k).
@@ -159,6 +159,8 @@ def topk_choices(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise
     gates are the chosen experts' scores, scaled to sum to 1 when `renormalize` (Mixtral,
     Qwen3-MoE). bias_E (bias balancing) is added to the scores for choosing alone, not to the gates.
     replay_GNE: decision codes to take instead of the router's own choices (see the module's doc).
+    groups (n, m), DeepSeek-V3's group-limited routing: the experts form n equal groups, and a token
+    chooses among the experts of the m groups whose two best choosing scores sum highest.
     """
     E = logits_GNE.shape[-1]
     noisy_GNE = logits_GNE
@@ -167,7 +169,8 @@ def topk_choices(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise
         noisy_GNE = logits_GNE + noise_GNE * stddev_GNE
     scores_GNE = jax.nn.sigmoid(noisy_GNE) if score == "sigmoid" else jax.nn.softmax(noisy_GNE, axis=-1)
     key_GNE = scores_GNE if bias_E is None else scores_GNE + bias_E
-    _, own_GNK = jax.lax.top_k(key_GNE, k)
+    limited = GroupLimit.of(key_GNE, *groups) if groups[0] > 1 else None
+    _, own_GNK = jax.lax.top_k(key_GNE if limited is None else limited.masked(key_GNE), k)
     choices_GNK = own_GNK if replay_GNE is None else replayed_choices(replay_GNE, k)
     if score == "softmax" and renormalize:  # the softmax over the chosen logits
         gates_GNK = jax.nn.softmax(jnp.take_along_axis(noisy_GNE, choices_GNK, axis=-1), axis=-1)
@@ -184,8 +187,47 @@ def topk_choices(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise
         load_GE = jnp.sum(norm.cdf((logits_GNE - threshold_GNE) / stddev_GNE), axis=1)
     else:
         load_GE = chosen_GE
-    flips = None if replay_GNE is None else ranked_flips(key_GNE, own_GNK, choices_GNK)
+    flips = None
+    if replay_GNE is not None:
+        flips = (ranked_flips(key_GNE, own_GNK, choices_GNK) if limited is None
+                 else limited.flips(key_GNE, own_GNK, choices_GNK))
     return Choices(choices_GNK, gates_GNK, load_GE, jnp.sum(chosen_GE, axis=0), flips)
+
+
+class GroupLimit(NamedTuple):
+    """Group-limited routing's choice of groups: each group's score (the sum of its two best experts'
+    choosing scores), and each token's m best groups."""
+    score_GNg: jax.Array
+    chosen_GNm: jax.Array
+
+    @classmethod
+    def of(cls, key_GNE: jax.Array, groups: int, chosen: int) -> GroupLimit:
+        G, N, E = key_GNE.shape
+        score_GNg = jnp.sum(jax.lax.top_k(key_GNE.reshape(G, N, groups, E // groups), 2)[0], axis=-1)
+        return cls(score_GNg, jax.lax.top_k(score_GNg, chosen)[1])
+
+    def group_of(self, experts_GNK: jax.Array, E: int) -> jax.Array:
+        return experts_GNK // (E // self.score_GNg.shape[-1])
+
+    def masked(self, key_GNE: jax.Array) -> jax.Array:
+        """The choosing scores with the experts of the groups not chosen at -inf."""
+        E, groups = key_GNE.shape[-1], self.score_GNg.shape[-1]
+        open_GNg = jnp.sum(jax.nn.one_hot(self.chosen_GNm, groups, dtype=jnp.int32), axis=-2) > 0
+        return jnp.where(jnp.repeat(open_GNg, E // groups, axis=-1), key_GNE, -jnp.inf)
+
+    def flips(self, key_GNE: jax.Array, own_GNK: jax.Array, taken_GNK: jax.Array) -> Flips:
+        """ranked_flips, where a replayed expert outside the token's own groups is judged by its group's
+        score against the m-th best group's (the group choice is what flipped), and one inside them by
+        its own score against the expert ranked there."""
+        taken_group_GNK = self.group_of(taken_GNK, key_GNE.shape[-1])
+        inside_GNK = jnp.any(taken_group_GNK[..., None] == self.chosen_GNm[..., None, :], axis=-1)
+        threshold_GN1 = jnp.min(jnp.take_along_axis(self.score_GNg, self.chosen_GNm, axis=-1), axis=-1,
+                                keepdims=True)
+        group_gap_GNK = _relative_gap(jnp.take_along_axis(self.score_GNg, taken_group_GNK, axis=-1), threshold_GN1)
+        own, taken = (jnp.take_along_axis(key_GNE, c, axis=-1) for c in (own_GNK, taken_GNK))
+        gap_GNK = jnp.where(own_GNK == taken_GNK, 0.0, jnp.where(inside_GNK, _relative_gap(own, taken), group_gap_GNK))
+        flipped_GN = jnp.any(own_GNK != taken_GNK, axis=-1)
+        return Flips(flipped_GN, jnp.where(flipped_GN, jnp.max(gap_GNK, axis=-1), 0.0))
 
 
 def noisy_topk(logits_GNE: jax.Array, noise_scale_GNE: jax.Array | None, noise_GNE: jax.Array | None,

@@ -18,11 +18,11 @@ WORST_REPORTED = 5  # the flips with the largest margins that the result lists
 
 
 class RoutingCheck:
-    """Ties and flips over a run's steps. every: blocks per MoE unit (the MoE block is a unit's last);
-    tolerance: the policy's tie tolerance."""
+    """Ties and flips over a run's steps. every: layers per MoE layer (every every-th of the units' layers);
+    tolerance: the policy's tie tolerance; first: the layers before the units (model.moe.first_dense)."""
 
-    def __init__(self, every: int, tolerance: float):
-        self.every, self.tolerance = every, tolerance
+    def __init__(self, every: int, tolerance: float, first: int = 0):
+        self.every, self.tolerance, self.first = every, tolerance, first
         self.ties = self.flips = 0
         self.worst: list[dict] = []
 
@@ -53,8 +53,9 @@ class RoutingCheck:
         self.flips += int(np.count_nonzero(flipped & ~tie))
         for unit, row, position in zip(*np.nonzero(flipped)):
             margin = float(margins[unit, row, position])
-            self.worst.append({"step": step + 1, "layer": int(unit) * self.every + self.every - 1, "row": int(row),
-                               "position": int(position), "margin": None if np.isinf(margin) else margin})
+            layer = self.first + int(unit) * self.every + self.every - 1
+            self.worst.append({"step": step + 1, "layer": layer, "row": int(row), "position": int(position),
+                               "margin": None if np.isinf(margin) else margin})
         self.worst = sorted(self.worst, key=_severity, reverse=True)[:WORST_REPORTED]
 
     def report(self) -> dict:

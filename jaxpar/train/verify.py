@@ -97,7 +97,8 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
     gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
     ref_state = reference.put_state(layout.to_model_order(jax.device_get(gather(state))))
     from_zero = {key for key, value in flat_by_path(jax.device_get(ref_state.params)).items() if not np.any(value)}
-    routing = RoutingCheck(cfg.model.moe.every, policy.tie_tolerance) if layout.trace_routing else None
+    moe = cfg.model.moe
+    routing = RoutingCheck(moe.every, policy.tie_tolerance, moe.first_dense) if layout.trace_routing else None
     loss_errors, batches = [], _batches(session, layout, reference, gather)
     # GRPO's loss is a mean of terms of order 1 (the advantages have unit spread in each group) that cancel
     # to about 0 where the ratio is 1: its error is measured against that order, not against the near-0 sum
