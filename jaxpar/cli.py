@@ -96,6 +96,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     if not args.search and (args.memory_gb is not None or args.top is not None or args.processes):
         raise ConfigError("--memory-gb, --top and --processes belong to a layout search; add --search.")
+    if args.target:  # XLA:CPU's plan beside XLA:GPU's, compiled here without a GPU
+        from jaxpar.plan.gpu_plan import plan_on_target
+        return plan_on_target(_load(args.settings), args.target, args.search, args.hardware)
     if args.search:
         return _plan_search(args)
     from jaxpar.runtime.devices import setup_devices
@@ -103,11 +106,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = _load(args.settings)
     session = on_devices(cfg, setup_devices(cfg))  # shapes only: no data is read, so any seq_len plans
+    from jaxpar.plan.decode_cache import decode_cache
     from jaxpar.plan.memory import format_report, gpipe_beside_naive, measure_step
     from jaxpar.train.trainer import Trainer
 
     trainer = Trainer(session)
-    plan = {**measure_step(trainer), **gpipe_beside_naive(trainer, lambda c: Trainer(on_devices(c, session.devices)))}
+    plan = {**measure_step(trainer), **gpipe_beside_naive(trainer, lambda c: Trainer(on_devices(c, session.devices))),
+            **decode_cache(trainer)}
     if args.hardware:
         from jaxpar.plan.calibrate import profile
         from jaxpar.plan.roofline import predict_layout
@@ -351,6 +356,8 @@ def _add_plan(sub) -> None:
                    help="processes compiling layouts at once "
                         f"(default 0: one per core, at most {MAX_SEARCH_PROCESSES})")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --search")
+    from jaxpar.plan.gpu_target import add_target_flag
+    add_target_flag(p)
 
 
 def main(argv: list[str] | None = None) -> int:

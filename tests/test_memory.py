@@ -109,7 +109,7 @@ def test_plan_cli_prints_table_and_json(capsys, tmp_path):
     for key in ("argument_bytes", "output_bytes", "temp_bytes", "params_bytes", "opt_state_bytes", "flops"):
         assert result[key] > 0
     assert set(result["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                                          "collective-permute"}
+                                          "collective-permute", "ragged-all-to-all"}
     assert any(line.startswith("optimizer state") for line in out)
     assert not (tmp_path / "metrics.jsonl").exists(), "plan compiles only; it trains nothing"
 

@@ -66,3 +66,47 @@ def test_gpt_oss_glu_is_the_clamped_swiglu():
     g, u = np.minimum(np.asarray(gate), 7.0), np.clip(np.asarray(up), -7.0, 7.0)
     expected = (u + 1) * g / (1 + np.exp(-1.702 * g))
     np.testing.assert_allclose(np.asarray(jax.jit(gpt_oss_glu)(gate, up)), expected, rtol=1e-6, atol=1e-6)
+
+
+def _gpt_oss_moe(router: str):
+    from flax import nnx
+
+    from jaxpar.config import Config
+    from jaxpar.model.moe import MoE
+
+    cfg = Config().replace(**{"model.d_model": 16, "model.moe.experts": E, "model.moe.top_k": K,
+                              "model.moe.router": router, "model.moe.mlp": "gpt_oss", "model.moe.d_ff": 8,
+                              "model.moe.logit_bias": True, "model.moe.noise": False, "model.moe.group_size": N,
+                              "model.moe.capacity_factor": float(E), "model.moe.swiglu_limit": 1.0})
+    moe = MoE(cfg.model, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    for name in ("b_router", "b_gate_up", "b_down"):
+        variable = getattr(moe, name)
+        variable[...] = jnp.asarray(rng.normal(0, 0.5, variable.shape), jnp.float32)
+    return moe
+
+
+def test_gpt_oss_experts_match_the_per_token_formula_on_every_router_path():
+    """Top-k of the biased router logits, a softmax over the k chosen, each chosen expert's clamped
+    SwiGLU with its biases: by a loop over tokens, against the capacity router (room for all) and the
+    dropless one."""
+    x = np.random.default_rng(2).normal(0, 1, (G, N, 16)).astype(np.float32)
+    outputs = {}
+    for router in ("topk", "dropless"):
+        moe = _gpt_oss_moe(router)
+        outputs[router] = np.asarray(moe(jnp.asarray(x))[0])
+    p = {k: np.asarray(getattr(moe, k)[...], np.float64) for k in ("w_router", "b_router", "w_gate_up", "b_gate_up",
+                                                                    "w_down", "b_down")}
+    expected = np.zeros_like(x, dtype=np.float64)
+    for g in range(G):
+        for n in range(N):
+            logits = x[g, n] @ p["w_router"] + p["b_router"]
+            best = np.argsort(-logits, kind="stable")[:K]
+            weights = np.exp(logits[best] - logits[best].max())
+            for e, w in zip(best, weights / weights.sum()):
+                gate = np.minimum(x[g, n] @ p["w_gate_up"][e, :, 0] + p["b_gate_up"][e, 0], 1.0)
+                up = np.clip(x[g, n] @ p["w_gate_up"][e, :, 1] + p["b_gate_up"][e, 1], -1.0, 1.0)
+                glu = (up + 1) * gate / (1 + np.exp(-1.702 * gate))
+                expected[g, n] += w * (glu @ p["w_down"][e] + p["b_down"][e])
+    for router, out in outputs.items():
+        np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5, err_msg=router)

@@ -26,6 +26,8 @@ class MoEConfig:
     score: Literal["softmax", "sigmoid"] = "softmax"  # top-k's scores (sigmoid: DeepSeek-V3)
     renormalize: bool = True  # top-k: the chosen experts' weights scaled to sum to 1 (Mixtral, Qwen3-MoE)
     logit_bias: bool = False  # a learned bias on the router's logits (gpt-oss)
+    swiglu_limit: float = 7.0  # mlp=gpt_oss: the gate clamped from above at this, the up projection to [-it, it]
+    swiglu_alpha: float = 1.702  # mlp=gpt_oss: the gate's sigmoid slope
     # group-limited routing (DeepSeek-V3): the experts in expert_groups equal groups, each token choosing its
     # top_k among the topk_groups groups whose two best scores sum highest
     expert_groups: int = 1

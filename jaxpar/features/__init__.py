@@ -19,7 +19,9 @@ from jaxpar.features import (
     data,
     experts,
     local_sgd,
+    mla,
     model,
+    mtp,
     offload,
     pipeline,
     precision,
@@ -30,8 +32,8 @@ from jaxpar.features import (
 )
 from jaxpar.features.feature import KEEP, Checks, Switch, first
 
-FEATURES = (run, model, tensor, context, training, data, pipeline, experts, offload, local_sgd, precision, adapters,
-            rl)
+FEATURES = (run, model, mla, tensor, context, training, data, pipeline, experts, mtp, offload, local_sgd,
+            precision, adapters, rl)
 NAMED = (pipeline, data, context, tensor, local_sgd, offload, model, training, precision, experts, adapters)
 DERIVED = (training, experts)  # in this order: the automatic loss chunks count the tokens per device
 RULES = (context, tensor)  # in this order: sequence parallelism splits each context slice

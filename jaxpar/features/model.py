@@ -16,14 +16,15 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
             yield f"model.{key} must be positive, got {getattr(m, key)}."
     if m.head_dim < 0:
         yield f"model.head_dim must be 0 (d_model / n_heads) or positive, got {m.head_dim}."
-    if not m.head_dim and m.d_model % m.n_heads:
+    if not m.head_dim and m.d_model % m.n_heads and not m.mla.enabled:  # latent heads have widths of their own
         yield (f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
                f"set model.head_dim to give the heads their own width.")
-    if m.positions == "rope" and m.head_size % 2:
+    if m.positions == "rope" and m.head_size % 2 and not m.mla.enabled:
         yield (f"rotary positions need an even head size, but it is {m.head_size} "
                f"(model.head_dim, or model.d_model / model.n_heads).")
     yield from _rope(m)
     yield from _attention(cfg)
+    yield from _variants(m)
 
 
 def _rope(m) -> Checks:
@@ -54,6 +55,30 @@ def _attention(cfg: Config) -> Checks:
     if m.attention == "cudnn" and not precision.of(cfg).reduced:
         yield ("model.attention=cudnn needs train.precision=bf16 or fp16 (cuDNN's fused attention "
                "has no fp32 kernel); use flash or dot for fp32.")
+
+
+def _variants(m) -> Checks:
+    """Sliding windows, their pattern over the layers, soft caps, the score scale and sinks."""
+    if m.window < 0:
+        yield f"model.window must be 0 (every earlier position) or positive, got {m.window}."
+    elif m.window > m.seq_len:
+        yield (f"model.window={m.window} is longer than model.seq_len={m.seq_len} and would hide nothing; "
+               f"set model.window=0 for full causal attention.")
+    if m.attention_pattern:
+        if set(m.attention_pattern) - {"l", "g"}:
+            yield (f"model.attention_pattern={m.attention_pattern!r} may hold only the letters l (a local, "
+                   f"windowed layer) and g (a global one).")
+        elif m.n_layers % len(m.attention_pattern):
+            yield (f"model.attention_pattern={m.attention_pattern!r} repeats over the layers, so its length "
+                   f"{len(m.attention_pattern)} must divide model.n_layers={m.n_layers}.")
+        if not m.window:
+            yield (f"model.attention_pattern={m.attention_pattern!r} chooses the windowed layers, but model.window=0; "
+                   f"set model.window as well.")
+    if m.attn_softcap < 0 or m.attn_scale < 0:
+        yield ("model.attn_softcap and model.attn_scale must be 0 (off; 1 / sqrt(head size)) or positive, "
+               f"got {m.attn_softcap} and {m.attn_scale}.")
+    if m.attention == "cudnn" and (m.sinks or m.attn_softcap):
+        yield "model.attention=cudnn has no soft cap or sinks (model.attn_softcap, model.sinks); use flash or dot."
 
 
 def check_attention_platform(cfg: Config, platform: str) -> None:

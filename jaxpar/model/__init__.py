@@ -4,7 +4,8 @@ Shape legend, for every tensor name and einsum in jaxpar (`x_BLD`): B batch (b: 
 microbatch's), L sequence (query positions), P key positions, T tokens of a training row
 (L + 1), D model width, H heads, K head dim, Q the q/k/v slot of the fused projection, F ffn
 width, V vocabulary, E experts, G routing groups, N tokens per group, C expert capacity,
-S pipeline stages, M microbatches.
+S pipeline stages, M microbatches. Latent attention (model/mla.py) gives some letters its widths
+instead (R, Q, N, E, V, M: its docstring).
 """
 
 from jaxpar.model.attention import Attention

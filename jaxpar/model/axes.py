@@ -7,7 +7,8 @@ is the one reader of that metadata, `path_names` the one spelling of a pytree pa
 
 While a step is traced, a parallel layout acts inside the model through hooks
 (`ModelHooks`): `constrain` annotates an activation's sharding by logical names,
-`expert_all_to_all` moves each expert's tokens to the device holding the expert, and
+`expert_all_to_all` moves each expert's tokens to the device holding the expert (dropless routing:
+`expert_gather`, or the ragged all-to-all of `expert_exchange`), and
 `column_parallel` / `row_parallel` run the matmuls into and out of a tensor-parallel region
 (under sequence parallelism they all-gather the sequence before, and reduce-scatter it after).
 They do nothing beyond the plain einsum unless a layout installs its hooks with `layout_hooks`.
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 from flax import nnx
+
+if TYPE_CHECKING:  # annotations only
+    from jaxpar.model.scores import ScoreOptions
 
 LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "expert", "layers",
                 "pos")
@@ -37,6 +41,8 @@ class ModelHooks(Protocol):
 
     def expert_shard(self) -> jax.Array | int: ...
 
+    def expert_exchange(self) -> ExpertExchange | None: ...
+
     def column_parallel(self, equation: str, x: jax.Array, w: jax.Array, names: tuple, out_dtype) -> jax.Array: ...
 
     def row_parallel(self, equation: str, h: jax.Array, w: jax.Array, names: tuple) -> jax.Array: ...
@@ -44,7 +50,21 @@ class ModelHooks(Protocol):
     def fp32_einsum(self, equation: str, a: jax.Array, b: jax.Array) -> jax.Array: ...
 
     def context_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array | None,
-                          blocks: tuple[int, int]) -> jax.Array | None: ...
+                          blocks: tuple[int, int], options: ScoreOptions | None = None,
+                          sinks: jax.Array | None = None) -> jax.Array | None: ...
+
+
+class ExpertExchange(Protocol):
+    """Dropless routing's ragged dispatch over the `shards` devices holding the experts (jaxpar.parallel.ragged)."""
+
+    shards: int
+
+    def shard(self) -> jax.Array: ...
+
+    def gathered(self, x: jax.Array) -> jax.Array: ...  # every shard's x, stacked (S, ...)
+
+    def ragged_all_to_all(self, operand: jax.Array, output: jax.Array, input_offsets: jax.Array,
+                          send_sizes: jax.Array, output_offsets: jax.Array, recv_sizes: jax.Array) -> jax.Array: ...
 
 
 _hooks: contextvars.ContextVar[ModelHooks | None] = contextvars.ContextVar("jaxpar_layout", default=None)
@@ -130,6 +150,13 @@ def expert_shard() -> jax.Array | int:
     return 0 if hooks is None else hooks.expert_shard()
 
 
+def expert_exchange() -> ExpertExchange | None:
+    """Dropless routing by ragged all-to-all (parallel.expert_dispatch=ragged under expert parallelism): the
+    layout's exchange between the expert shards; None where tokens reach the experts by `expert_gather`."""
+    hooks = _hooks.get()
+    return None if hooks is None else hooks.expert_exchange()
+
+
 def column_parallel(equation: str, x: jax.Array, weight: nnx.Variable, x_names: tuple, out_names: tuple,
                     out_dtype=None) -> jax.Array:
     """einsum(equation, x, weight) for a weight split by output columns over tensor ranks (Q/K/V,
@@ -161,12 +188,14 @@ def fp32_einsum(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return hooks.fp32_einsum(equation, a, b)
 
 
-def context_attention(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, ids_BL: jax.Array | None,
-                      blocks: tuple[int, int]) -> jax.Array | None:
+def context_attention(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGV: jax.Array, ids_BL: jax.Array | None,
+                      blocks: tuple[int, int], options: ScoreOptions | None = None,
+                      sinks_H: jax.Array | None = None) -> jax.Array | None:
     """Causal attention across a sequence that a layout splits over devices (mesh.context > 1), in
-    blocks of (queries, keys); None when no layout does, and each device holds whole sequences."""
+    blocks of (queries, keys), with the score options (jaxpar.model.scores; None: plain) and the sinks'
+    logits (H,); None when no layout does, and each device holds whole sequences."""
     hooks = _hooks.get()
-    return None if hooks is None else hooks.context_attention(q_BLHK, k_BLGK, v_BLGK, ids_BL, blocks)
+    return None if hooks is None else hooks.context_attention(q_BLHK, k_BLGK, v_BLGV, ids_BL, blocks, options, sinks_H)
 
 
 @contextlib.contextmanager

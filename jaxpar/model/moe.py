@@ -19,8 +19,16 @@ from flax import nnx
 import jaxpar.model.routers as routers
 from jaxpar.config import ModelConfig
 from jaxpar.model.adapters import adapted, adapters
-from jaxpar.model.axes import constrain, expert_all_to_all, expert_gather, expert_shard, param, zeros_param
-from jaxpar.model.dropless import dropless_experts
+from jaxpar.model.axes import (
+    constrain,
+    expert_all_to_all,
+    expert_exchange,
+    expert_gather,
+    expert_shard,
+    param,
+    zeros_param,
+)
+from jaxpar.model.dropless import dropless_experts, per_row, ragged_dropless_experts
 from jaxpar.model.mlp import MLP
 from jaxpar.model.routing_trace import RoutingTrace
 
@@ -34,15 +42,21 @@ class MoE(nnx.Module):
         self.router, self.top_k, self.noise = moe.router, moe.top_k, moe.noise
         self.group_size, self.capacity_factor = moe.group_size, moe.capacity_factor
         self.score, self.renormalize, self.routed_scale = moe.score, moe.renormalize, moe.routed_scale
+        self.groups = (moe.expert_groups, moe.topk_groups)
         self.w_router = param(rngs.params(), (D, E), ("embed", None), D ** -0.5)
+        self.b_router = zeros_param((E,), (None,)) if moe.logit_bias else None
         self.w_noise = zeros_param((D, E), ("embed", None)) if moe.chooses_top_k else None
-        self.gated = moe.mlp == "swiglu"
+        self.gated, self.clamped = moe.mlp != "gelu", moe.mlp == "gpt_oss"
+        self.swiglu = (moe.swiglu_limit, moe.swiglu_alpha)
         if self.gated:  # slot 0: gate, slot 1: up (as the dense MLP)
             self.w_gate_up = param(rngs.params(), (E, D, 2, F), ("expert", "embed", None, "mlp"), D ** -0.5)
         else:
             self.w_up = param(rngs.params(), (E, D, F), ("expert", "embed", "mlp"), D ** -0.5)
         self.w_down = param(rngs.params(), (E, F, D), ("expert", "mlp", "embed"),
                             F ** -0.5 / math.sqrt(2 * cfg.n_layers))
+        # gpt-oss: biases on each expert's gate, up and down projections
+        self.b_gate_up = zeros_param((E, 2, F), ("expert", None, "mlp")) if self.clamped else None
+        self.b_down = zeros_param((E, D), ("expert", "embed")) if self.clamped else None
         into = (((E,), (D,), (F,)), (("expert",), ("embed",), ("mlp",)))
         lora = adapters(cfg.lora, rngs, {"gate": into, "up": into,
                                          "down": (((E,), (F,), (D,)), (("expert",), ("mlp",), ("embed",)))}, "experts")
@@ -69,6 +83,8 @@ class MoE(nnx.Module):
         G = x_GND.shape[0]
         x32_GND = x_GND.astype(jnp.float32)
         logits_GNE = jnp.einsum("GND,DE->GNE", x32_GND, self.w_router[...].astype(jnp.float32))
+        if self.b_router is not None:
+            logits_GNE = logits_GNE + self.b_router[...].astype(jnp.float32)
         E = logits_GNE.shape[-1]
         C = routers.capacity(self.router, N, E, self.top_k, self.capacity_factor)
         replay_GNE = None if routing is None else routing.replayed(G)
@@ -85,7 +101,7 @@ class MoE(nnx.Module):
                 noise_scale_GNE = jnp.einsum("GND,DE->GNE", x32_GND, self.w_noise[...].astype(jnp.float32))
             bias_E = None if self.router_bias is None else self.router_bias[...].astype(jnp.float32)
             choices = routers.topk_choices(logits_GNE, noise_scale_GNE, noise_GNE, self.top_k, self.score,
-                                           self.renormalize, bias_E, replay_GNE)
+                                           self.renormalize, bias_E, replay_GNE, self.groups)
             if self.router == "dropless":
                 return self._dropless(x_BLD, x_GND, logits_GNE, choices, routing)
             routed = routers.into_slots(choices, E, C)
@@ -95,10 +111,13 @@ class MoE(nnx.Module):
         dtype = x_BLD.dtype
         x_EGCD = jnp.einsum("GNEC,GND->EGCD", dispatch.astype(dtype), x_GND)
         x_EGCD = expert_all_to_all(x_EGCD, inverse=False)  # local experts, every shard's groups
-        h_EGCF = self._hidden(lambda w_EDF: jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_EDF))
+        h_EGCF = self._hidden(lambda w_EDF: jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_EDF),
+                              lambda b_EF: b_EF[:, None, None])
         y_EGCD = jnp.einsum("EGCF,EFD->EGCD", h_EGCF, adapted(self.w_down, self.lora_down)[...])
         y_EGCD = expert_all_to_all(y_EGCD, inverse=True)  # back to the shard that owns the groups
         y_GND = jnp.einsum("GNEC,EGCD->GND", combine.astype(dtype), y_EGCD)
+        if self.b_down is not None:  # each chosen expert's down bias, weighted by its gate
+            y_GND = y_GND + jnp.einsum("GNEC,ED->GND", combine.astype(dtype), self.b_down[...].astype(dtype))
         tokens_E = jnp.sum(dispatch, axis=(0, 1, 3))
         # The share of tokens no expert took (the residual alone carries them), from the dispatch itself.
         unrouted = jnp.mean((jnp.sum(dispatch, axis=(2, 3)) == 0).astype(jnp.float32))
@@ -111,12 +130,23 @@ class MoE(nnx.Module):
     def _dropless(self, x_BLD, x_GND, logits_GNE, choices: routers.Choices, routing: RoutingTrace | None):
         """Every assignment computed (jaxpar.model.dropless): no capacity, nothing dropped."""
         G, N, D = x_GND.shape
-        x_TD, experts_TK, gates_TK = (expert_gather(a.reshape(G * N, *a.shape[2:]), inverse=False) for a in
+        x_TD, experts_TK, gates_TK = (a.reshape(G * N, *a.shape[2:]) for a in
                                       (x_GND, choices.experts_GNK, choices.gates_GNK * self.routed_scale))
         w_down = adapted(self.w_down, self.lora_down)[...]
-        first = expert_shard() * w_down.shape[0]  # the experts held here (all without expert parallelism)
-        hidden = lambda x_AD, sizes_E: self._hidden(lambda w_EDF: jax.lax.ragged_dot(x_AD, w_EDF, sizes_E))  # noqa: E731
-        y_TD = expert_gather(dropless_experts(x_TD, experts_TK, gates_TK, hidden, w_down, first), inverse=True)
+        b_down = None if self.b_down is None else self.b_down[...]
+
+        def hidden(x_AD, sizes_E):
+            return self._hidden(lambda w_EDF: jax.lax.ragged_dot(x_AD, w_EDF, sizes_E),
+                                lambda b_EF: per_row(b_EF, sizes_E, x_AD.shape[0]))
+
+        exchange = expert_exchange()
+        if exchange is not None:  # each assignment sent to its expert's device by ragged all-to-all
+            y_TD = ragged_dropless_experts(x_TD, experts_TK, gates_TK, hidden, w_down, exchange, b_down)
+        else:  # every shard's tokens on every expert device (nothing moves without expert parallelism)
+            x_TD, experts_TK, gates_TK = (expert_gather(a, inverse=False) for a in (x_TD, experts_TK, gates_TK))
+            first = expert_shard() * w_down.shape[0]  # the experts held here (all without expert parallelism)
+            y_TD = dropless_experts(x_TD, experts_TK, gates_TK, hidden, w_down, first, b_down)
+            y_TD = expert_gather(y_TD, inverse=True)
         chosen_GNKE = jax.nn.one_hot(choices.experts_GNK, logits_GNE.shape[-1])
         taken_GNE = jnp.sum(chosen_GNKE, axis=2)
         importance_GE = jnp.sum(chosen_GNKE * choices.gates_GNK[..., None], axis=(1, 2))
@@ -144,13 +174,27 @@ class MoE(nnx.Module):
         y_BLD = constrain(y_GND.reshape(x_BLD.shape), ("batch", "residual_seq", "embed"))
         return y_BLD if self.shared is None else y_BLD + self.shared(x_BLD)
 
-    def _hidden(self, matmul) -> jax.Array:
-        """Each expert's hidden activations, gelu(x W_up) or silu(x W_gate) * (x W_up), where
-        matmul(w_EDF) multiplies the tokens by every expert's weight (dense slots or sorted rows)."""
+    def _hidden(self, matmul, biases=None) -> jax.Array:
+        """Each expert's hidden activations, gelu(x W_up), silu(x W_gate) * (x W_up), or gpt-oss's
+        clamped form (gpt_oss_glu), where matmul(w_EDF) multiplies the tokens by every expert's weight
+        (dense slots or sorted rows) and biases(b_EF) lays each expert's bias out like its output."""
+        if self.clamped:
+            w, b = adapted(self.w_gate_up, (self.lora_gate, self.lora_up), -2)[...], self.b_gate_up[...]
+            return gpt_oss_glu(*(matmul(w[:, :, i]) + biases(b[:, i]).astype(w.dtype) for i in range(2)), *self.swiglu)
         if self.gated:
             w = adapted(self.w_gate_up, (self.lora_gate, self.lora_up), -2)[...]
             return jax.nn.silu(matmul(w[:, :, 0])) * matmul(w[:, :, 1])
         return jax.nn.gelu(matmul(adapted(self.w_up, self.lora_up)[...]))
+
+
+
+def gpt_oss_glu(gate: jax.Array, up: jax.Array, limit: float = 7.0, alpha: float = 1.702) -> jax.Array:
+    """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit): gpt-oss's clamped
+    SwiGLU (model.moe.swiglu_limit, swiglu_alpha; published: 7 and 1.702)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
 
 def bias_balance_term(bias_E: jax.Array, chosen_E: jax.Array) -> jax.Array:
     """Zero, whose gradient with respect to the bias is each expert's load above the mean: summed

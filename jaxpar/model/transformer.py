@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -13,8 +15,10 @@ from jaxpar.model.adapters import freeze
 from jaxpar.model.attention import Attention, KVCache
 from jaxpar.model.axes import column_parallel, constrain, param
 from jaxpar.model.layers import RMSNorm
+from jaxpar.model.mla import LatentAttention, LatentCache
 from jaxpar.model.mlp import MLP
 from jaxpar.model.moe import MoE
+from jaxpar.model.mtp import MTPModule, mtp_weight
 from jaxpar.model.routing_trace import RoutingTrace
 from jaxpar.model.segments import Segments
 
@@ -30,7 +34,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False, local: bool = False):
         norm = lambda: RMSNorm(cfg.d_model, cfg.norm_eps, offset=cfg.norm_offset)  # noqa: E731
         self.attn_norm = norm()
-        self.attn = Attention(cfg, rngs=rngs, local=local)
+        self.attn = (LatentAttention if cfg.mla.enabled else Attention)(cfg, rngs=rngs, local=local)
         self.attn_post_norm = norm() if cfg.sandwich_norm else None
         self.mlp_norm = norm()
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
@@ -108,21 +112,20 @@ class Transformer(nnx.Module):
             param(rngs.params(), (cfg.seq_len, D), ("pos", "embed"), 0.02) if cfg.positions == "learned" else None
         )
 
-
-        @nnx.split_rngs(splits=cfg.units)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(rngs: nnx.Rngs):
-            if cfg.has_layer_units:
-                return LayerUnit(cfg, rngs=rngs)
-            return Block(cfg, rngs=rngs, local=cfg.layer_is_local(0))
-
-        self.blocks = stacked_blocks(rngs)
+        unit = LayerUnit if cfg.has_layer_units else functools.partial(Block, local=cfg.layer_is_local(0))
+        self.blocks = _stacked(cfg.units, lambda r: unit(cfg, rngs=r), rngs)
+        # DeepSeek-V3's first layers: dense blocks of their own stack, run before the units
+        self.dense_blocks = (_stacked(cfg.moe.first_dense, lambda r: Block(cfg, rngs=r), rngs)
+                             if cfg.moe.first_dense else None)
         self.blocks_per_unit = cfg.unit_blocks
         self.moe_blocks_per_unit = max(cfg.moe_blocks_per_unit, 1)
         self.embed_scale = cfg.d_model ** 0.5 if cfg.embed_scale else None
         self.final_softcap = cfg.final_softcap
         self.final_norm = RMSNorm(D, cfg.norm_eps, offset=cfg.norm_offset)
         self.head = None if cfg.tie_embeddings else param(rngs.params(), (D, V), ("embed", "vocab"), D ** -0.5)
+        self.mtp = (nnx.List([MTPModule(cfg, Block(cfg, rngs=rngs), rngs=rngs) for _ in range(cfg.mtp.depth)])
+                    if cfg.mtp.depth else None)
+        self.mtp_weight = mtp_weight(cfg)
         if cfg.lora.enabled:  # only the adapters train
             freeze(self, cfg.lora)
 
@@ -162,7 +165,11 @@ class Transformer(nnx.Module):
     def logits(self, x_BLD: jax.Array) -> jax.Array:
         """Final norm and output projection (tied to the embedding unless untied): -> (B, L, V) fp32
         logits, accumulated in fp32 whatever the compute dtype (the loss's softmax needs them)."""
-        x_BLD = self.final_norm(x_BLD)
+        return self.project(self.final_norm(x_BLD))
+
+    def project(self, x_BLD: jax.Array) -> jax.Array:
+        """The output projection of normalized hidden states (logits' second half; multi-token prediction
+        normalizes its own): -> (B, L, V) fp32 logits, padded columns at the lowest float."""
         residual, names = ("batch", "residual_seq", "embed"), ("batch", "seq", "vocab")
         if self.head is None:
             logits_BLV = column_parallel("BLD,VD->BLV", x_BLD, self.embedding, residual, names, jnp.float32)
@@ -181,30 +188,26 @@ class Transformer(nnx.Module):
         L = tokens_BL.shape[1]
         first = _first_cache(caches)
         x_BLD = self.embed(tokens_BL, first.positions_BL(L))
-        graphdef, stacked = nnx.split(self.blocks)
-        # The stacked caches ride in the carry, and each layer writes back only its L new slots: as the
-        # scan's input and output they would be copied whole at every token.
-        def one_unit(carry, unit):
-            x_BLD, caches = carry
-            layer_state, index = unit
-            mine = jax.tree.map(lambda a: a[index], caches)
-            x_BLD, mine = nnx.merge(graphdef, layer_state).decode(x_BLD, mine)
-            return (x_BLD, _write_new_slots(caches, mine, index, first.length, L)), None
-
-        layers = jnp.arange(stacked_layers(stacked))
-        (x_BLD, caches), _ = jax.lax.scan(one_unit, (x_BLD, caches), (stacked, layers))
+        if self.dense_blocks is not None:
+            x_BLD, dense = _decode_stack(self.dense_blocks, x_BLD, caches.dense, first, L)
+            x_BLD, blocks = _decode_stack(self.blocks, x_BLD, caches.blocks, first, L)
+            return self.logits(x_BLD), PrefixedCaches(dense, blocks)
+        x_BLD, caches = _decode_stack(self.blocks, x_BLD, caches, first, L)
         return self.logits(x_BLD), caches
 
     def empty_caches(self, cfg: ModelConfig, batch: int, positions: int, dtype=jnp.float32,
                      starts_B: jax.Array | None = None):
         """Key/value caches for `positions` slots, stacked like the layers: a KVCache per block, a tuple
         of them per unit of several blocks. starts_B: each row's first slot (left-padded prompts; 0)."""
-        one = KVCache.empty(batch, positions, cfg, dtype, starts_B)
+        one = (LatentCache if cfg.mla.enabled else KVCache).empty(batch, positions, cfg, dtype, starts_B)
+        stack = lambda n: jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), one)  # noqa: E731
         units = self.stacked_layers()
-        stack = lambda cache: jax.tree.map(lambda a: jnp.broadcast_to(a, (units, *a.shape)), cache)  # noqa: E731
+        blocks = stack(units)
         if isinstance(self.blocks, LayerUnit):
-            return tuple(stack(one) for _ in range(self.blocks_per_unit))
-        return stack(one)
+            blocks = tuple(stack(units) for _ in range(self.blocks_per_unit))
+        if self.dense_blocks is None:
+            return blocks
+        return PrefixedCaches(stack(stacked_layers(nnx.state(self.dense_blocks))), blocks)
 
     def run_blocks(self, x_BLD: jax.Array, scan: LayerScan | None = None, layer_ids: jax.Array | None = None,
                    noise_B: jax.Array | None = None, segments: Segments | None = None,
@@ -230,7 +233,23 @@ class Transformer(nnx.Module):
             traced = None if routing is None else routing.at_layer(layer_id * self.moe_blocks_per_unit)
             return nnx.merge(graphdef, layer_state)(x_BLD, keys_B, segments, traced)
 
+        if self.dense_blocks is not None:  # not pipelined (refused): every run of the blocks starts with them
+            x_BLD = self._run_dense_blocks(x_BLD, noise_B, segments)
         return (scan or plain_scan)(one_layer, x_BLD, stacked, ids)
+
+    def _run_dense_blocks(self, x_BLD: jax.Array, noise_B: jax.Array | None, segments: Segments | None):
+        """The dense first layers (model.moe.first_dense), by a plain scan: the layout's layer-by-layer
+        weight gathering and remat policy apply to the units alone. Their rows' keys fold in ids after
+        the units', so no two layers share one."""
+        graphdef, stacked = nnx.split(self.dense_blocks)
+        first_id = self.stacked_layers()
+
+        def one_layer(x_BLD, layer_state, layer_id):
+            keys_B = None if noise_B is None else jax.vmap(lambda k: jax.random.fold_in(k, layer_id))(noise_B)
+            return nnx.merge(graphdef, layer_state)(x_BLD, keys_B, segments, None)[0], None
+
+        ids = first_id + jnp.arange(stacked_layers(stacked))
+        return jax.lax.scan(lambda x, layer: one_layer(x, *layer), x_BLD, (stacked, ids))[0]
 
 
 # scan(one_layer, x_BLD, stacked_state, layer_ids) -> (x_BLD, per-layer stats): see run_blocks.
@@ -257,8 +276,44 @@ def _write_new_slots(caches, layer_caches, index: jax.Array, start: jax.Array, n
 
 def _first_cache(caches) -> KVCache:
     """The first layer's cache (every layer's holds as many positions, from the same starts)."""
-    first = caches[0] if isinstance(caches, tuple) else caches
+    first = caches.dense if isinstance(caches, PrefixedCaches) else caches
+    first = first[0] if isinstance(first, tuple) else first
     return jax.tree.map(lambda a: a[0], first)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixedCaches:
+    """The caches of a model with dense first layers (model.moe.first_dense): theirs, then the units'."""
+    dense: object
+    blocks: object
+
+
+def _stacked(count: int, make: Callable, rngs: nnx.Rngs):
+    """`count` modules make(rngs) stacked on a leading 'layers' axis, each from its own split of rngs."""
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def build(rngs: nnx.Rngs):
+        return make(rngs)
+
+    return build(rngs)
+
+
+def _decode_stack(blocks, x_BLD: jax.Array, caches, first: KVCache, new: int):
+    """A stack of blocks (or units) on the next `new` positions with its stacked caches: (x, caches).
+    The caches ride in the carry, and each layer writes back only its new slots: as the scan's input
+    and output they would be copied whole at every token."""
+    graphdef, stacked = nnx.split(blocks)
+
+    def one_unit(carry, unit):
+        x_BLD, caches = carry
+        layer_state, index = unit
+        mine = jax.tree.map(lambda a: a[index], caches)
+        x_BLD, mine = nnx.merge(graphdef, layer_state).decode(x_BLD, mine)
+        return (x_BLD, _write_new_slots(caches, mine, index, first.length, new)), None
+
+    layers = jnp.arange(stacked_layers(stacked))
+    return jax.lax.scan(one_unit, (x_BLD, caches), (stacked, layers))[0]
 
 
 def stacked_layers(stacked) -> int:

@@ -25,8 +25,15 @@ probabilities are recomputed in backward from the saved log-sum-exp, as in jaxpa
 With packed rows, every block pair also masks keys of another document (the ids of the whole
 sequence are all-gathered once; they never travel round the ring).
 
+The score options of jaxpar.model.scores apply in every block pair: scale and soft cap, and a sliding
+window, under which block pairs whose every key lies out of every query's window are skipped as those
+above the diagonal are (a pair's blocks hold consecutive positions, so its first and last positions
+decide). The ring still takes every block round: which ranks' blocks a window reaches depends on the
+rank. The sinks join each row's log-sum-exp once, after the last step, and their gradient is each
+rank's rows' part summed over `context`. The values may have a head width of their own (V).
+
 Shapes: B batch, n local positions (L / C), G key/value heads, R query heads per key/value head,
-K head size. Positions are global (where the token sits in its sequence), so masks need no offsets.
+K head size (V the values'). Positions are global (where the token sits in its sequence), so masks need no offsets.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
+
+from jaxpar.model.scores import PLAIN, ScoreOptions, fold_sinks, sink_share
+from jaxpar.parallel.context_pair import Pair, loop, merge
 
 CONTEXT = "context"
 f32 = jnp.float32
@@ -53,141 +63,11 @@ def device_order(seq_len: int, context: int, balance: bool) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * context - 1 - i]]) for i in range(context)])
 
 
-def blocks_per_rank(seq_len: int, context: int, balance: bool, blocks: tuple[int, int]) -> list[int]:
+def blocks_per_rank(seq_len: int, context: int, balance: bool, blocks: tuple[int, int], window: int = 0) -> list[int]:
     """Block pairs of attention each context rank computes per sequence (jaxpar plan's balance
-    report), as the schedule below runs them with `blocks` (queries, keys) per block pair."""
-    return _Schedule(context, balance, seq_len // context, blocks).blocks_per_rank()
-
-
-# ---------------------------------------------------------------- one pair of query and key chunks
-
-def _visible(q_pos, k_pos, q_ids, k_ids, causal: bool):
-    """(B or 1, 1, 1, bq, bkv) bools: which keys each query sees (None: all)."""
-    visible = (q_pos[:, None] >= k_pos[None, :])[None, None, None] if causal else None
-    if q_ids is not None:
-        same = (q_ids[:, :, None] == k_ids[:, None, :])[:, None, None]
-        visible = same if visible is None else visible & same
-    return visible
-
-
-def _loop(lower: int, upper: int, body, init):
-    """lax.fori_loop as a while loop, never a scan: differentiating the model's layer scan partially
-    evaluates what it calls, and hoisted out of scans here every block's masks and softmax statistics,
-    all kept at once (seq 32768 on context=8: 0.9 GB of temporaries, 0.1 GB with while loops)."""
-    def step(carry):
-        i, state = carry
-        return i + 1, body(i, state)
-
-    return lax.while_loop(lambda carry: carry[0] < upper, step, (jnp.int32(lower), init))[1]
-
-
-def _einsum(equation: str, a, b):
-    return jnp.einsum(equation, a, b, preferred_element_type=f32)
-
-
-def _rows(x, start, size: int, axis: int = 1):
-    return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis)
-
-
-class _Pair:
-    """Queries q (B, lq, G, R, K) against keys and values k, v (B, lk, G, K), `bq` queries by `bkv` keys
-    at a time (blocks lie inside one chunk, so their positions run on by one). Causal: a block pair
-    whose every key comes after every query is skipped."""
-
-    def __init__(self, q, k, v, q_pos, k_pos, q_ids, k_ids, causal: bool, bq: int, bkv: int):
-        self.q, self.k, self.v, self.q_pos, self.k_pos, self.q_ids, self.k_ids = q, k, v, q_pos, k_pos, q_ids, k_ids
-        self.causal, self.bq, self.bkv = causal, bq, bkv
-        self.scale = 1.0 / math.sqrt(q.shape[-1])
-
-    def block(self, q0, k0):
-        """(q block, k block, v block, visible, whether any key of the pair is visible)."""
-        q, k = _rows(self.q, q0, self.bq), _rows(self.k, k0, self.bkv)
-        q_pos, k_pos = _rows(self.q_pos, q0, self.bq, 0), _rows(self.k_pos, k0, self.bkv, 0)
-        visible = _visible(q_pos, k_pos, _rows(self.q_ids, q0, self.bq), _rows(self.k_ids, k0, self.bkv), self.causal)
-        seen = q_pos[-1] >= k_pos[0] if self.causal else True
-        return q, k, _rows(self.v, k0, self.bkv), visible, seen
-
-    def scores(self, q, k, visible):
-        s = _einsum("BLGRK,BPGK->BGRLP", q, k) * self.scale
-        return s if visible is None else jnp.where(visible, s, -jnp.inf)
-
-    def forward(self):
-        """(out (B, lq, G, R, K) fp32, lse (B, G, R, lq)) over these keys alone."""
-        B, lq, G, R, K = self.q.shape
-
-        def q_block(i, carry):
-            out, lse = carry
-            q0 = i * self.bq
-
-            def kv_block(j, state):
-                q, k, v, visible, seen = self.block(q0, j * self.bkv)
-
-                def update(state):
-                    m, total, acc = state
-                    scores = self.scores(q, k, visible)
-                    m_new = jnp.maximum(m, scores.max(-1))
-                    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row that sees no key yet
-                    probs = jnp.exp(scores - shift[..., None])
-                    rescale = jnp.exp(m - shift)
-                    pv = _einsum("BGRLP,BPGK->BGRLK", probs.astype(v.dtype), v)
-                    return m_new, total * rescale + probs.sum(-1), acc * rescale[..., None] + pv
-
-                return lax.cond(seen, update, lambda state: state, state) if self.causal else update(state)
-
-            init = (jnp.full((B, G, R, self.bq), -jnp.inf, f32), jnp.zeros((B, G, R, self.bq), f32),
-                    jnp.zeros((B, G, R, self.bq, K), f32))
-            m, total, acc = _loop(0, self.k.shape[1] // self.bkv, kv_block, init)
-            some = total > 0
-            o = jnp.where(some[..., None], acc / jnp.where(some, total, 1.0)[..., None], 0.0)
-            lse_i = jnp.where(some, m + jnp.log(jnp.where(some, total, 1.0)), -jnp.inf)
-            out = lax.dynamic_update_slice_in_dim(out, jnp.einsum("BGRLK->BLGRK", o), q0, 1)
-            return out, lax.dynamic_update_slice_in_dim(lse, lse_i, q0, 3)
-
-        init = (jnp.zeros(self.q.shape, f32), jnp.full((B, G, R, lq), -jnp.inf, f32))
-        return _loop(0, lq // self.bq, q_block, init)
-
-    def backward(self, dout, lse, delta, dq):
-        """(dq + this pair's part, dk, dv) in fp32, probabilities recomputed from the final lse."""
-        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-
-        def kv_block(j, carry):
-            dq, dk, dv = carry
-            k0 = j * self.bkv
-
-            def q_block(i, state):
-                q0 = i * self.bq
-                q, k, v, visible, seen = self.block(q0, k0)
-
-                def update(state):
-                    dq, dk_j, dv_j = state
-                    do = _rows(dout, q0, self.bq)
-                    probs = jnp.exp(self.scores(q, k, visible) - _rows(lse, q0, self.bq, 3)[..., None])
-                    dv_j = dv_j + _einsum("BGRLP,BLGRK->BPGK", probs.astype(do.dtype), do)
-                    dprobs = _einsum("BLGRK,BPGK->BGRLP", do, v)
-                    dscores = probs * (dprobs - _rows(delta, q0, self.bq, 3)[..., None]) * self.scale
-                    dk_j = dk_j + _einsum("BGRLP,BLGRK->BPGK", dscores.astype(q.dtype), q)
-                    dq_i = _einsum("BGRLP,BPGK->BLGRK", dscores.astype(k.dtype), k)
-                    return lax.dynamic_update_slice_in_dim(dq, _rows(dq, q0, self.bq) + dq_i, q0, 1), dk_j, dv_j
-
-                return lax.cond(seen, update, lambda state: state, state) if self.causal else update(state)
-
-            zeros = jnp.zeros((*self.k.shape[:1], self.bkv, *self.k.shape[2:]), f32)
-            dq, dk_j, dv_j = _loop(0, self.q.shape[1] // self.bq, q_block, (dq, zeros, zeros))
-            put = lambda x, block: lax.dynamic_update_slice_in_dim(x, block, k0, 1)  # noqa: E731
-            return dq, put(dk, dk_j), put(dv, dv_j)
-
-        zeros = jnp.zeros(self.k.shape, f32)
-        return _loop(0, self.k.shape[1] // self.bkv, kv_block, (dq, zeros, zeros))
-
-
-def _merge(o1, lse1, o2, lse2):
-    """Two partial softmax results of the same queries, over disjoint keys, as one."""
-    lse = jnp.logaddexp(lse1, lse2)
-    finite = jnp.isfinite(lse)
-    w1 = jnp.where(finite, jnp.exp(lse1 - jnp.where(finite, lse, 0.0)), 0.0)
-    w2 = jnp.where(finite, jnp.exp(lse2 - jnp.where(finite, lse, 0.0)), 0.0)
-    to_q = lambda w: jnp.einsum("BGRL->BLGR", w)[..., None]  # noqa: E731
-    return o1 * to_q(w1) + o2 * to_q(w2), lse
+    report), as the schedule below runs them with `blocks` (queries, keys) per block pair, and under
+    a sliding `window` (0: none)."""
+    return _Schedule(context, balance, seq_len // context, blocks).blocks_per_rank(window)
 
 
 # ---------------------------------------------------------------- the schedule of a context rank
@@ -200,8 +80,8 @@ class _Schedule:
     own block (step 0), `low` against a block from a lower rank, `high` from a higher one. Each pair is
     (query span, key span, causal) in local positions."""
 
-    def __init__(self, context: int, balance: bool, local: int, blocks: tuple[int, int]):
-        self.C, self.balance, self.local = context, balance, local
+    def __init__(self, context: int, balance: bool, local: int, blocks: tuple[int, int], options: ScoreOptions = PLAIN):
+        self.C, self.balance, self.local, self.options = context, balance, local, options
         self.order = device_order(local * context, context, balance).reshape(context, local).astype(np.int32)
         chunk = local // 2 if balance else local
         self.bq, self.bkv = (math.gcd(b, chunk) for b in blocks)  # every block inside one chunk
@@ -224,12 +104,14 @@ class _Schedule:
         n, h = self.local, self.local // 2
         return [((h, n), (0, n), False)] if self.balance else []
 
-    def blocks_per_rank(self) -> list[int]:
-        """(bq x bkv) block pairs of attention each rank computes per sequence, as _Pair visits them (in a
-        causal pair, none whose keys all come after its queries): `jaxpar plan`'s balance report."""
+    def blocks_per_rank(self, window: int = 0) -> list[int]:
+        """(bq x bkv) block pairs of attention each rank computes per sequence, as Pair visits them (in a
+        causal pair, none whose keys all come after its queries, nor any out of the window): `jaxpar plan`'s
+        balance report."""
         def computed(i: int, j: int, pairs) -> int:
             q_pos, k_pos = self.order[i], self.order[j]
-            return sum(int(not causal or q_pos[q + self.bq - 1] >= k_pos[k])
+            return sum(int((not causal or q_pos[q + self.bq - 1] >= k_pos[k])
+                           and (not window or q_pos[q] - k_pos[k + self.bkv - 1] < window))
                        for qs, ks, causal in pairs
                        for q in range(qs[0], qs[1], self.bq) for k in range(ks[0], ks[1], self.bkv))
 
@@ -245,9 +127,9 @@ def _cut(x, span: Span, axis: int = 1):
     return None if x is None else lax.slice_in_dim(x, span[0], span[1], axis=axis)
 
 
-def _chunk_pair(schedule, q, k, v, q_pos, k_pos, q_ids, k_ids, qs: Span, ks: Span, causal: bool) -> _Pair:
-    return _Pair(_cut(q, qs), _cut(k, ks), _cut(v, ks), _cut(q_pos, qs, 0), _cut(k_pos, ks, 0), _cut(q_ids, qs),
-                 _cut(k_ids, ks), causal, schedule.bq, schedule.bkv)
+def _chunk_pair(schedule, q, k, v, q_pos, k_pos, q_ids, k_ids, qs: Span, ks: Span, causal: bool) -> Pair:
+    return Pair(_cut(q, qs), _cut(k, ks), _cut(v, ks), _cut(q_pos, qs, 0), _cut(k_pos, ks, 0), _cut(q_ids, qs),
+                 _cut(k_ids, ks), causal, schedule.bq, schedule.bkv, schedule.options)
 
 
 def _block_of(x, rank, C: int):
@@ -274,13 +156,14 @@ def _each_step(schedule: _Schedule, move, compute, carry):
         j = (i - s) % schedule.C
         return lax.cond(j < i, functools.partial(compute, schedule.low()), high, j, move(carry))
 
-    return _loop(1, schedule.C, one, carry)
+    return loop(1, schedule.C, one, carry)
 
 
-def _forward(schedule: _Schedule, ring: bool, q, k, v, ids_all):
-    """(out, lse) of this rank's queries; k, v: this rank's block (ring) or every rank's (all-gather)."""
+def _forward(schedule: _Schedule, ring: bool, q, k, v, ids_all, sinks):
+    """(out, lse) of this rank's queries; k, v: this rank's block (ring) or every rank's (all-gather);
+    sinks (G, R) or None, folded into each row's softmax once all blocks are in."""
     i = lax.axis_index(CONTEXT)
-    B, n, G, R, K = q.shape
+    B, n, G, R, _ = q.shape
     q_pos, q_ids = schedule.positions(i), _block_of(ids_all, i, schedule.C)
 
     def step(pairs, j, carry):
@@ -289,25 +172,29 @@ def _forward(schedule: _Schedule, ring: bool, q, k, v, ids_all):
         k_pos, k_ids = schedule.positions(j), _block_of(ids_all, j, schedule.C)
         for qs, ks, causal in pairs:
             o2, lse2 = _chunk_pair(schedule, q, k_j, v_j, q_pos, k_pos, q_ids, k_ids, qs, ks, causal).forward()
-            o_q, lse_q = _merge(_cut(o, qs), _cut(lse, qs, 3), o2, lse2)
+            o_q, lse_q = merge(_cut(o, qs), _cut(lse, qs, 3), o2, lse2)
             o = lax.dynamic_update_slice_in_dim(o, o_q, qs[0], 1)
             lse = lax.dynamic_update_slice_in_dim(lse, lse_q, qs[0], 3)
         return k_here, v_here, o, lse
 
-    start = (jnp.zeros(q.shape, f32), jnp.full((B, G, R, n), -jnp.inf, f32))
+    start = (jnp.zeros((B, n, G, R, v.shape[-1]), f32), jnp.full((B, G, R, n), -jnp.inf, f32))
     carry = (k, v, *start) if ring else ((), (), *start)
     move = (lambda c: (_shift(c[0]), _shift(c[1]), *c[2:])) if ring else (lambda c: c)
     *_, o, lse = _each_step(schedule, move, step, carry)
+    if sinks is not None:
+        weight, lse = fold_sinks(lse, sinks[None, :, :, None])
+        o = o * jnp.einsum("BGRL->BLGR", weight)[..., None]
     return o.astype(q.dtype), lse
 
 
-def _backward(schedule: _Schedule, ring: bool, q, k, v, ids_all, out, lse, dout):
-    """(dq, dk, dv) in the inputs' dtypes. Ring: each block goes round again with its fp32 gradient
-    accumulators, which one more step takes home. All-gather: the gathered blocks' gradients."""
+def _backward(schedule: _Schedule, ring: bool, q, k, v, ids_all, sinks, out, lse, dout):
+    """(dq, dk, dv, this rank's part of dsinks) in the inputs' dtypes (dsinks fp32, None without sinks).
+    Ring: each block goes round again with its fp32 gradient accumulators, which one more step takes
+    home. All-gather: the gathered blocks' gradients."""
     i = lax.axis_index(CONTEXT)
     q_pos, q_ids = schedule.positions(i), _block_of(ids_all, i, schedule.C)
     dout = dout.astype(q.dtype)
-    delta = jnp.einsum("BLGRK,BLGRK->BGRL", dout, out, preferred_element_type=f32)
+    delta = jnp.einsum("BLGRV,BLGRV->BGRL", dout, out, preferred_element_type=f32)
 
     def step(pairs, j, carry):
         k_here, v_here, dk, dv, dq = carry
@@ -329,7 +216,8 @@ def _backward(schedule: _Schedule, ring: bool, q, k, v, ids_all, out, lse, dout)
     _, _, dk, dv, dq = _each_step(schedule, move, step, (k, v, zeros(k), zeros(v), zeros(q)))
     if ring:  # block i + 1's gradients are here after the last step: one more step takes them home
         dk, dv = _shift(dk), _shift(dv)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dsinks = None if sinks is None else sink_share(lse, sinks[None, :, :, None], delta).sum((0, 3))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks
 
 
 def _put_block(x, block, rank, C: int):
@@ -337,57 +225,72 @@ def _put_block(x, block, rank, C: int):
     return lax.dynamic_update_index_in_dim(blocks, block, rank, 1).reshape(x.shape)
 
 
-def attention(layout, q_BLHK, k_BLGK, v_BLGK, ids_BL, blocks: tuple[int, int]):
-    """Causal attention of q (B, L, H, K) over k, v (B, L, G, K), their L split over `context` in
-    `device_order`, by the layout's parallel.context_attention; ids_BL: packed rows' document ids (in
-    the same order), or None. `blocks`: (queries, keys) per block pair. Output (B, L, H, K).
+def attention(layout, q_BLHK, k_BLGK, v_BLGV, ids_BL, blocks: tuple[int, int], options: ScoreOptions | None = None,
+              sinks_H=None):
+    """Causal attention of q (B, L, H, K) over k (B, L, G, K) and v (B, L, G, V), their L split over
+    `context` in `device_order`, by the layout's parallel.context_attention; ids_BL: packed rows'
+    document ids (in the same order), or None. `blocks`: (queries, keys) per block pair; `options`:
+    window, soft cap and scale (None: plain); sinks_H: each query head's sink logit (H,), or None.
+    Output (B, L, H, V).
 
     A custom VJP around two shard_maps, forward and backward: autodiff never enters the shard_maps."""
     inside = jax.sharding.get_abstract_mesh()  # in the experts' shard_map: its mesh, some axes manual
     mesh = layout.mesh if inside.empty else inside
     C = mesh.shape[CONTEXT]
-    _, L, H, K = q_BLHK.shape
+    _, L, H, _ = q_BLHK.shape
     G, local = k_BLGK.shape[2], L // C
-    schedule = _Schedule(C, layout.context_balance, local, blocks)
+    schedule = _Schedule(C, layout.context_balance, local, blocks, options or PLAIN)
     ring = layout.context_attention == "ring"
     seq, lse_spec = PartitionSpec(None, CONTEXT), PartitionSpec(None, None, None, CONTEXT)
     mapped = functools.partial(jax.shard_map, mesh=mesh, axis_names={CONTEXT}, check_vma=False)
-    ids_spec = None if ids_BL is None else seq
-
-    def gathered(k, v, ids):
-        ids_all = None if ids is None else lax.all_gather(ids, CONTEXT, axis=1, tiled=True)
-        if not ring:
-            k, v = (lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v))
-        return k, v, ids_all
+    ids_spec, sinks_spec = (None if ids_BL is None else seq), (None if sinks_H is None else PartitionSpec())
 
     def to_groups(x):  # (B, n, H, K) -> (B, n, G, R, K): the query heads that read each key/value head
-        return x.reshape(x.shape[0], local, G, H // G, K)
+        return x.reshape(*x.shape[:2], G, H // G, x.shape[-1])
 
-    def forward_body(q, k, v, ids):
-        out, lse = _forward(schedule, ring, to_groups(q), *gathered(k, v, ids))
-        return out.reshape(out.shape[0], local, H, K), lse
+    def sink_groups(sinks):  # (H,) -> (G, R)
+        return _maybe(lambda x: x.reshape(G, H // G), sinks)
 
-    def backward_body(q, k, v, ids, out, lse, dout):
-        k_all, v_all, ids_all = gathered(k, v, ids)
-        dq, dk, dv = _backward(schedule, ring, to_groups(q), k_all, v_all, ids_all, to_groups(out), lse,
-                               to_groups(dout))
+    def forward_body(q, k, v, ids, sinks):
+        out, lse = _forward(schedule, ring, to_groups(q), *_gathered(ring, k, v, ids), sink_groups(sinks))
+        return out.reshape(*out.shape[:2], H, out.shape[-1]), lse
+
+    def backward_body(q, k, v, ids, sinks, out, lse, dout):
+        k_all, v_all, ids_all = _gathered(ring, k, v, ids)
+        dq, dk, dv, dsinks = _backward(schedule, ring, to_groups(q), k_all, v_all, ids_all, sink_groups(sinks),
+                                       to_groups(out), lse, to_groups(dout))
         if not ring:  # the all-gather's transpose: each rank's block, summed over the ranks
             dk, dv = (lax.psum_scatter(x, CONTEXT, scatter_dimension=1, tiled=True) for x in (dk, dv))
-        return dq.reshape(q.shape), dk, dv
+        dsinks = _maybe(lambda d: lax.psum(d, CONTEXT).reshape(H).astype(sinks.dtype), dsinks)  # every rank's rows
+        return dq.reshape(q.shape), dk, dv, dsinks
 
-    forward = mapped(forward_body, in_specs=(seq, seq, seq, ids_spec), out_specs=(seq, lse_spec))
-    backward = mapped(backward_body, in_specs=(seq, seq, seq, ids_spec, seq, lse_spec, seq), out_specs=(seq,) * 3)
+    forward = mapped(forward_body, in_specs=(seq, seq, seq, ids_spec, sinks_spec), out_specs=(seq, lse_spec))
+    backward = mapped(backward_body, in_specs=(seq, seq, seq, ids_spec, sinks_spec, seq, lse_spec, seq),
+                      out_specs=(seq, seq, seq, sinks_spec))
 
     @jax.custom_vjp
-    def attend(q, k, v, ids):
-        return forward(q, k, v, ids)[0]
+    def attend(q, k, v, ids, sinks):
+        return forward(q, k, v, ids, sinks)[0]
 
-    def attend_fwd(q, k, v, ids):
-        out, lse = forward(q, k, v, ids)
-        return out, (q, k, v, ids, out, lse)
+    def attend_fwd(q, k, v, ids, sinks):
+        out, lse = forward(q, k, v, ids, sinks)
+        return out, (q, k, v, ids, sinks, out, lse)
 
     def attend_bwd(residuals, dout):
-        return (*backward(*residuals, dout), None)
+        dq, dk, dv, dsinks = backward(*residuals, dout)
+        return dq, dk, dv, None, dsinks
 
     attend.defvjp(attend_fwd, attend_bwd)
-    return attend(q_BLHK, k_BLGK, v_BLGK, ids_BL)
+    return attend(q_BLHK, k_BLGK, v_BLGV, ids_BL, sinks_H)
+
+
+def _gathered(ring: bool, k, v, ids):
+    """Every rank's document ids, and for the all-gather every rank's keys and values."""
+    ids_all = None if ids is None else lax.all_gather(ids, CONTEXT, axis=1, tiled=True)
+    if not ring:
+        k, v = (lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v))
+    return k, v, ids_all
+
+
+def _maybe(fn, x):
+    return None if x is None else fn(x)

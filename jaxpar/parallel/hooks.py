@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.model.axes import is_variable, path_names
 from jaxpar.model.matmul import wide_einsum
-from jaxpar.parallel import context
+from jaxpar.parallel import context, ragged
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.reductions import moved_as_bits, rows_gathered, rows_summed, scattered
 from jaxpar.parallel.rules import logical_to_spec
@@ -78,6 +78,9 @@ class _Hooks:
         """What the step differentiates: the parameters as stored."""
         return params
 
+    def expert_exchange(self) -> ragged.Exchange | None:  # the ragged dispatch, where `expert` is manual
+        return ragged.over_experts(self.layout) if self.in_step and "expert" in self.layout.manual else None
+
     # ---- the matmuls into and out of a tensor-parallel region -----------------------------
     def column_parallel(self, equation, x, w, names, out_dtype=None):
         """A column-split matmul (a wider out_dtype's gradient back in the layout's output_grad_dtype:
@@ -92,8 +95,8 @@ class _Hooks:
         layout's output_grad_dtype."""
         return wide_einsum(equation, a, b, jnp.float32, self.layout.output_grad_dtype)
 
-    def context_attention(self, q, k, v, ids, blocks):  # None: the sequence is whole on each device
-        return context.attention(self.layout, q, k, v, ids, blocks) if self.layout.context > 1 else None
+    def context_attention(self, q, k, v, ids, blocks, options=None, sinks=None):  # None: whole sequences here
+        return context.attention(self.layout, q, k, v, ids, blocks, options, sinks) if self.layout.context > 1 else None
 
     def row_parallel(self, equation, h, w, names):
         """A row-split matmul. Under sequence parallelism its partial sums are reduce-scattered

@@ -3,6 +3,17 @@
 Each collective is reported with its payload bytes, the mesh axes its replica groups span,
 and whether it sits in a while-loop body (the scanned layers), so tests and `plan` can
 check layouts against what Megatron/ZeRO predict from the program itself.
+
+A ragged all-to-all (dropless routing's parallel.expert_dispatch=ragged) moves data-dependent slices of
+static buffers; it is counted as the rows it routes, the smaller of its operand and its output buffer
+(each device sends its A assignments and gets as many back; a receive buffer holds mesh.expert x A rows,
+room for all of them). On XLA:CPU the op is emulated (jaxpar.parallel.ragged): the emulation's
+all-to-all of padded blocks, mesh.expert x those rows, counts as the op, and its exchange of offsets,
+which the op does without, not at all.
+
+XLA:GPU writes collectives asynchronously: an `all-reduce-start` (all-gather-, reduce-scatter-,
+all-to-all-, ragged-all-to-all-, collective-permute-start) whose shape is the tuple (its operands, its
+result), and a `-done` that waits for it. The start is counted, by its result.
 """
 
 from __future__ import annotations
@@ -13,9 +24,11 @@ import re
 
 import numpy as np
 
-from jaxpar.plan.hlo import Module, array_shapes, nbytes, parse
+from jaxpar.parallel.ragged import OFFSETS_SCOPE, ROWS_SCOPE
+from jaxpar.plan.hlo import Instruction, Module, array_shapes, nbytes, parse
 
-COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                  "ragged-all-to-all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +57,8 @@ class Collective:
         reduce-scatter."""
         n = self.group_size
         share = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1,
-                 "all-to-all": (n - 1) / n, "collective-permute": 1}[self.op]
+                 "all-to-all": (n - 1) / n, "collective-permute": 1,
+                 "ragged-all-to-all": (n - 1) / n}[self.op]  # ragged: the share of balanced routes to others
         return round(self.bytes * share)
 
 
@@ -85,16 +99,54 @@ def collectives(hlo: str | Module, mesh_shape: dict[str, int]) -> list[Collectiv
     n_devices = math.prod(mesh_shape.values())
     found = []
     for name, instructions in module.computations.items():
+        by_name = {inst.name: inst for inst in instructions}
         for inst in instructions:
             op = inst.op.removesuffix("-start")
-            if op not in COLLECTIVE_OPS:
+            if op not in COLLECTIVE_OPS or _emulation_offsets(inst):
                 continue
             group = _first_group(inst.rest, n_devices)
-            shapes = tuple(f"{dtype}[{','.join(map(str, dims))}]" for dtype, dims in array_shapes(inst.shape))
+            result = _result_shape(inst)
+            shapes = tuple(f"{dtype}[{','.join(map(str, dims))}]" for dtype, dims in array_shapes(result))
             size = 2 if op == "collective-permute" else len(group)  # a permute sends its buffer once
-            found.append(Collective(op, nbytes(inst.shape), shapes, _axes_spanned(group, mesh_shape), name,
+            op, payload = _routed(op, inst, result, by_name, size)
+            found.append(Collective(op, payload, shapes, _axes_spanned(group, mesh_shape), name,
                                     name in loop_bodies, module.executions(name), size))
     return found
+
+
+def _scoped(inst: Instruction, scope: str) -> bool:
+    return re.search(rf'op_name="[^"]*[/(]{re.escape(scope)}\)*/', inst.rest) is not None
+
+
+def _emulation_offsets(inst: Instruction) -> bool:
+    """The ragged all-to-all emulation's exchange of offsets, which the op itself does not need."""
+    return _scoped(inst, OFFSETS_SCOPE)
+
+
+def _result_shape(inst: Instruction) -> str:
+    """The shape of what a collective produces: an asynchronous start's (operands, result) tuple gives its
+    second element (see above)."""
+    text = inst.shape.strip()
+    if not inst.op.endswith("-start") or not text.startswith("("):
+        return inst.shape
+    depth, commas = 0, []
+    for i, char in enumerate(text):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 1:
+            commas.append(i)
+    return text[commas[0] + 1:(commas[1] if len(commas) > 1 else -1)] if commas else inst.shape
+
+
+def _routed(op: str, inst: Instruction, result: str, by_name: dict[str, Instruction],
+            devices: int) -> tuple[str, int]:
+    """(kind, payload bytes): the result's bytes, but for a ragged all-to-all the rows it routes (see above)."""
+    if op == "all-to-all" and _scoped(inst, ROWS_SCOPE):  # the emulation's padded blocks, one per device
+        return "ragged-all-to-all", nbytes(result) // devices
+    if op == "ragged-all-to-all":
+        operand = re.match(r"\s*%?([^\s,)]+)", inst.rest)
+        source = by_name.get(operand.group(1)) if operand else None
+        return op, min(nbytes(result), nbytes(source.shape)) if source else nbytes(result)
+    return op, nbytes(result)
 
 
 def bytes_by_op(found: list[Collective], wire: bool = False) -> dict[str, int]:

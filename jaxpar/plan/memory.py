@@ -18,6 +18,7 @@ from jaxpar.model.adapters import trainable
 from jaxpar.parallel.context import blocks_per_rank
 from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts, compiled_branches
 from jaxpar.plan.collectives import bytes_by_op, collectives
+from jaxpar.plan.decode_cache import format_decode_cache
 from jaxpar.plan.hlo import executed_cost, matmul_flops, parse, written_bytes
 from jaxpar.plan.transfers import host_transfers
 from jaxpar.train.offload import update_peak_bytes
@@ -48,7 +49,9 @@ def _memory_split(trainer, state, params: int, opt_state: int, temp: int, moved:
 # A plan reads the program's HLO and buffer sizes, never runs it: on the CPU, machine code
 # optimization (LLVM) can be skipped. It changes neither (checked on plain and pipeline layouts)
 # and takes a third to a half off the compile time.
-PLAN_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
+# On a GPU, what jaxpar.runtime.devices sets there (GPU_XLA_FLAGS): the latency-hiding scheduler.
+PLAN_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0},
+                         "gpu": {"xla_gpu_enable_latency_hiding_scheduler": True}}
 
 
 def measure_step(trainer) -> dict:
@@ -56,7 +59,7 @@ def measure_step(trainer) -> dict:
     compiled = trainer.compile_step(PLAN_COMPILER_OPTIONS.get(trainer.mesh.devices.flat[0].platform))
     stats = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}  # XLA:GPU compiled without a GPU: None
     state = trainer.abstract_state()
     shardings = trainer.state_shardings
     trained = trainable(state.params)  # a frozen weight (model.lora) has no gradient
@@ -143,6 +146,8 @@ def format_report(plan: dict) -> str:
         rows.insert(4, (f"  gpipe M={beside['microbatches']}: temporaries", beside["temp_bytes"]))
     lines = [f"{'per device':<32}{'bytes':>18}{'MiB':>12}"]
     lines += [f"{name:<32}{value:>18,d}{value / mib:>12.2f}" for name, value in rows]
+    if "decode_cache" in plan:  # what generation would cache (jaxpar.plan.decode_cache)
+        lines += format_decode_cache(plan["decode_cache"])
     if any(plan["host_bytes"].values()):
         lines.append(f"{'offload':<32}{'device bytes':>18}{'host bytes':>18}")
         for key, name in (("params", "parameters"), ("opt_state", "optimizer state"), ("activations", "activations")):
@@ -173,6 +178,9 @@ def format_report(plan: dict) -> str:
         sent = sum(plan["collective_wire_bytes"].values())
         lines.append(f"{'total':<40}{sum(plan['collectives'].values()):>20,d}{sent:>20,d}")
         lines.append("(bytes: each result's size; sent: what each device sends with ring algorithms)")
+        if plan["collectives"].get("ragged-all-to-all"):
+            lines.append("(ragged-all-to-all: the rows each device routes, as the op moves them; XLA:CPU emulates it "
+                         "with mesh.expert x as many, padded)")
     else:
         lines.append("(none)")
     return "\n".join(lines)

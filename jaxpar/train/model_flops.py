@@ -50,9 +50,11 @@ def matmul_flops_floor(cfg) -> float:
 def flops_per_token(cfg) -> float:
     """6 * the active params a token multiplies by (forward + backward matmuls; not the lookup tables:
     an untied model's input embedding, learned positions) + 12 * layers * (heads x head width) * seq_len
-    (attention's scores and weighted values): the model FLOPs of MFU, 6N + 12 L H Q T."""
+    (attention's scores and weighted values): the model FLOPs of MFU, 6N + 12 L H Q T. Latent attention's
+    (model.mla) head width is the mean of its query/key and value widths."""
     m = cfg.model
-    return 6 * active_params(cfg, _lookup_tables(cfg)) + 12 * m.n_layers * m.n_heads * m.head_size * m.seq_len
+    width = (m.mla.qk_dim + m.mla.v_dim) / 2 if m.mla.enabled else m.head_size
+    return 6 * active_params(cfg, _lookup_tables(cfg)) + 12 * m.n_layers * m.n_heads * width * m.seq_len
 
 
 def utilization(cfg, tokens_per_s: float, devices: list, compute_dtype: str, record: dict) -> dict:

@@ -24,6 +24,7 @@ from jaxpar.data.packed_rows import PackedRows
 from jaxpar.model.adapters import read_as, trainable, with_frozen, zero_grad
 from jaxpar.model.axes import layout_hooks
 from jaxpar.model.moe_step import ExpertTerms
+from jaxpar.model.mtp import mtp_loss, mtp_weight
 from jaxpar.model.protocol import is_block_model
 from jaxpar.model.routing_trace import RoutingTrace
 from jaxpar.model.segments import Segments
@@ -104,8 +105,13 @@ def _head_losses(model: nnx.Module, x_BLD: jax.Array, batch, chunks: int) -> jax
 
 def _head_stats(model: nnx.Module, x_BLD: jax.Array, batch, chunks: int,
                 reduce: Callable = _mean_loss) -> tuple[jax.Array, dict]:
-    """reduce of _head_losses: the mean cross-entropy by default."""
-    return reduce(_head_losses(model, x_BLD, batch, chunks), batch)
+    """reduce of _head_losses: the mean cross-entropy by default; with multi-token prediction
+    (jaxpar.model.mtp) its weighted loss added, and reported as mtp_loss."""
+    loss, stats = reduce(_head_losses(model, x_BLD, batch, chunks), batch)
+    if not getattr(model, "mtp", None):
+        return loss, stats
+    extra = mtp_loss(model, x_BLD, batch.tokens_BT)
+    return loss + model.mtp_weight * extra, {**stats, "mtp_loss": extra}
 
 
 def _embedded(model: nnx.Module, batch: PackedRows) -> jax.Array:
@@ -190,7 +196,7 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPo
 
     def head_loss(p, x_bLD, tokens_bT):  # the loss alone for sft; a preference objective's metrics too
         loss, stats = _head_stats(model(p), x_bLD, tokens_bT, t.loss_chunks, reduce)
-        reported = {} if t.objective == "sft" else {k: v for k, v in stats.items() if k != "loss"}
+        reported = {k: v for k, v in stats.items() if k != "loss" and (t.objective != "sft" or k == "mtp_loss")}
         return loss * scale, reported
 
     return StageFns(
@@ -199,6 +205,14 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPo
         layers=layers,
         head_loss=head_loss,
     )
+
+
+def pipelined_loss(objective: jax.Array, head: dict, cfg: Config) -> dict:
+    """A pipeline's loss metrics from the objective its heads summed: `loss` the next-token cross-entropy
+    as without a pipeline, the weighted multi-token prediction loss (mtp_loss) taken back out."""
+    if "mtp_loss" not in head:
+        return {"loss": objective, **head}
+    return {"loss": objective - mtp_weight(cfg.model) * head["mtp_loss"], **head}
 
 
 def accumulated_grads(loss_fn: Callable, params, batch, microbatches: int, layout: Layout):
@@ -247,7 +261,8 @@ def _gradient_fn(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: 
             stage_fns(graphdef, hooks, cfg, precision, scale, experts), params, layout.stacked_mask(params), micro)
         M = pipeline.table.microbatches
         head = {k: v / M for k, v in head_sums.items()}
-        return {"loss": loss / scale, **head, **experts.routing_stats(sums, M * pipeline.stacked_layers)}, grads
+        routing = experts.routing_stats(sums, M * pipeline.stacked_layers)
+        return {**pipelined_loss(loss / scale, head, cfg), **routing}, grads
 
     return accumulated if pipeline.table is None else pipelined
 

@@ -29,7 +29,7 @@ from jaxpar.parallel.pipeline_plan import PipelinePlan
 from jaxpar.train.loss_scale import all_finite, unless_skipped
 from jaxpar.train.optim import Optimizer
 from jaxpar.train.state import InFlight, TrainState
-from jaxpar.train.step import RowInputs, _preparation, _updated, in_device_order, stage_fns
+from jaxpar.train.step import RowInputs, _preparation, _updated, in_device_order, pipelined_loss, stage_fns
 
 
 def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, layout: Layout,
@@ -50,7 +50,7 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
         fns = stage_fns(graphdef, hooks, cfg, precision, scale, experts)
         (loss, (sums, head_sums), grads), carry = pipeline.window_value_and_grad(
             fns, stale, params, layout.stacked_mask(params), micro_2M, carry, live, has_current)
-        stats = {"loss": loss / scale, **{k: v / M for k, v in head_sums.items()},
+        stats = {**pipelined_loss(loss / scale, {k: v / M for k, v in head_sums.items()}, cfg),
                  **experts.routing_stats(sums, M * pipeline.stacked_layers)}
         return (stats, grads), carry
 

@@ -1,0 +1,94 @@
+"""`jaxpar plan --target h100|h200`: the training step compiled twice, here, from the same abstract state: by
+XLA:CPU on emulated devices (the plan without --target) and by XLA:GPU for the target's GPUs (jaxpar.plan.
+gpu_target), without a GPU. It prints the GPU program's report, then both compilers' memory and collectives
+side by side; its JSON line holds the GPU plan's figures, with the CPU's under `cpu`.
+
+The two programs differ where the compilers do: XLA:GPU fuses (fewer, larger temporaries), combines
+collectives and runs them asynchronously, writes a data-sharded reduction as a reduce-scatter, and runs
+jax.lax.ragged_all_to_all itself where XLA:CPU runs jaxpar's emulation (jaxpar.parallel.ragged).
+"""
+
+from __future__ import annotations
+
+import json
+
+from jaxpar.config import Config, ConfigError
+from jaxpar.plan import gpu_target
+from jaxpar.plan.calibrate import profile
+from jaxpar.plan.decode_cache import decode_cache
+from jaxpar.plan.memory import format_report, gpipe_beside_naive, measure_step
+from jaxpar.plan.roofline import predict_layout
+from jaxpar.runtime import distributed
+from jaxpar.runtime.devices import setup_devices
+from jaxpar.session import on_devices
+from jaxpar.train.trainer import Trainer
+
+COMPARED = ("argument_bytes", "output_bytes", "temp_bytes", "params_bytes", "opt_state_bytes", "grads_bytes",
+            "flops", "collectives", "collective_wire_bytes", "collective_counts")
+MEMORY_ROWS = (("parameters", "params_bytes"), ("optimizer state", "opt_state_bytes"),
+               ("gradients (after reduction)", "grads_bytes"), ("temporaries / activations", "temp_bytes"),
+               ("arguments (state + batch)", "argument_bytes"), ("outputs", "output_bytes"))
+
+
+def plan_of(session) -> tuple[dict, Trainer]:
+    """What `jaxpar plan` measures of a session's step on the session's devices (CPU or GPU target), and the
+    trainer it compiled."""
+    trainer = Trainer(session)
+    plan = {**measure_step(trainer), **gpipe_beside_naive(trainer, lambda c: Trainer(on_devices(c, session.devices))),
+            **decode_cache(trainer)}
+    plan["collective_counts"] = {op: 0 for op in plan["collectives"]}
+    for c in plan["collective_ops"]:
+        plan["collective_counts"][c["op"]] += c["count"]
+    return plan, trainer
+
+
+def plan_on_target(cfg: Config, target: str, search: bool, hardware: str | None = None) -> int:
+    """Compile cfg's step with XLA:CPU and with XLA:GPU for `target`, print both; exit status 0."""
+    if search:
+        raise ConfigError("plan --search --target is not there yet: the search compiles on XLA:CPU only; plan one "
+                          "layout with --target, or search without it.")
+    if distributed.from_environment() is not None:
+        raise ConfigError("plan --target compiles in one process; run it outside jaxpar launch.")
+    if hardware == "cpu":
+        raise ConfigError("--hardware cpu predicts XLA:CPU's step; with --target, name a GPU's profile or none (the "
+                          "target's own).")
+    gpu_target.check_plugin()
+    gpu_target.use_cpu_only()
+    cpu_session = on_devices(cfg, setup_devices(cfg))  # shapes only: no data is read
+    gpus = gpu_target.gpu_devices(target, len(cpu_session.devices))
+    gpu_session = on_devices(cfg, gpus)
+    (cpu, _), (gpu, trainer) = plan_of(cpu_session), plan_of(gpu_session)
+    table = trainer.pipeline.table
+    gpu["predicted"] = predict_layout(gpu, profile(hardware or target, gpus), gpu_session.cfg,
+                                      gpu_session.mesh_sizes, table.idle_fraction if table is not None else 0.0
+                                      ).to_dict()
+    spec = gpu_target.TARGETS[target]
+    print(f"XLA:GPU's program for {len(gpus)} x {spec.device_kind} ({gpu_session.mesh_name()}), compiled here "
+          f"without a GPU by the CUDA plugin; target {target}: {spec.source}")
+    print(format_report(gpu))
+    print()
+    print(side_by_side(cpu, gpu, spec.memory_bytes))
+    print(json.dumps({"compiler": "XLA:GPU", "target": target, "device_kind": spec.device_kind, "devices": len(gpus),
+                      "device_memory_bytes": spec.memory_bytes,
+                      **{k: v for k, v in gpu.items() if k != "collective_ops"},
+                      "cpu": {"compiler": "XLA:CPU", **{k: cpu[k] for k in COMPARED}}}))
+    return 0
+
+
+def side_by_side(cpu: dict, gpu: dict, memory_bytes: int) -> str:
+    """Memory per device and collectives by kind (count and bytes per step), XLA:CPU's beside XLA:GPU's."""
+    mib = 2 ** 20
+    lines = [f"{'per device, MiB':<32}{'XLA:CPU':>14}{'XLA:GPU':>14}"]
+    lines += [f"{name:<32}{cpu[key] / mib:>14.2f}{gpu[key] / mib:>14.2f}" for name, key in MEMORY_ROWS]
+    total = {name: plan["argument_bytes"] + plan["temp_bytes"] for name, plan in (("cpu", cpu), ("gpu", gpu))}
+    lines.append(f"{'total (arguments + temporaries)':<32}{total['cpu'] / mib:>14.2f}{total['gpu'] / mib:>14.2f}"
+                 f"   ({total['gpu'] / memory_bytes:.1%} of the GPU's {memory_bytes / 1e9:g} GB)")
+    lines.append("")
+    lines.append(f"{'collectives per step':<20}{'CPU count':>10}{'CPU bytes':>16}{'GPU count':>10}{'GPU bytes':>16}")
+    for op in gpu["collectives"]:
+        if cpu["collective_counts"][op] or gpu["collective_counts"][op]:
+            lines.append(f"{op:<20}{cpu['collective_counts'][op]:>10d}{cpu['collectives'][op]:>16,d}"
+                         f"{gpu['collective_counts'][op]:>10d}{gpu['collectives'][op]:>16,d}")
+    lines.append("(counts: executions per step, loops unrolled; XLA:GPU combines collectives, so it may run fewer, "
+                 "larger ones)")
+    return "\n".join(lines)
