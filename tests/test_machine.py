@@ -41,3 +41,11 @@ def test_model_flops_leave_out_an_untied_input_embedding():
     m = tied.model
     assert active_params(untied) - active_params(tied) == m.d_model * m.padded_vocab
     assert flops_per_token(untied) == flops_per_token(tied)
+
+
+def test_a_windowed_layer_counts_the_keys_it_sees_in_the_model_flops():
+    """6N + 12 H Q x (the keys each layer attends to): seq_len for a global layer, the window for a local one."""
+    full = Config().replace(**{"model.seq_len": 128, "model.n_layers": 4})
+    windowed = full.replace(**{"model.window": 32, "model.attention_pattern": "lg"})
+    m = full.model
+    assert flops_per_token(full) - flops_per_token(windowed) == 12 * m.n_heads * m.head_size * 2 * (128 - 32)

@@ -30,6 +30,8 @@ CHOICES = {
 }
 # adapters on every default target, the base frozen (drawn apart, so the other switches' draws stay as they were)
 ADAPTERS = {"model.lora.rank": ["4", "8"], "model.lora.base_dtype": ["fp32", "nf4"], "model.lora.dropout": ["0", "0.1"]}
+# the architectures of 2026 (drawn apart too): windowed layers with sinks, and dropless experts' dispatch
+VARIANTS = {"model.window": ["0", "12"], "model.sinks": ["false", "true"]}
 EXPERTS = {  # a mixture of experts in most draws
     "model.moe.router": ["topk", "switch", "expert_choice", "dropless"],
     "model.moe.shared": ["0", "1"],
@@ -55,6 +57,12 @@ def draw(index: int) -> list[str]:
     adapters = np.random.default_rng(2000 + index)
     if adapters.random() < 0.5:
         overrides += [f"{key}={values[adapters.integers(len(values))]}" for key, values in ADAPTERS.items()]
+    variants = np.random.default_rng(3000 + index)
+    overrides += [f"{key}={values[variants.integers(len(values))]}" for key, values in VARIANTS.items()]
+    if "model.window=12" in overrides:
+        overrides.append("model.attention_pattern=lg")
+    if "model.moe.router=dropless" in overrides and expert > 1:
+        overrides.append(f"parallel.expert_dispatch={['allgather', 'ragged'][variants.integers(2)]}")
     return overrides
 
 

@@ -51,10 +51,15 @@ def flops_per_token(cfg) -> float:
     """6 * the active params a token multiplies by (forward + backward matmuls; not the lookup tables:
     an untied model's input embedding, learned positions) + 12 * layers * (heads x head width) * seq_len
     (attention's scores and weighted values): the model FLOPs of MFU, 6N + 12 L H Q T. Latent attention's
-    (model.mla) head width is the mean of its query/key and value widths."""
+    (model.mla) head width is the mean of its query/key and value widths; a windowed layer attends to
+    min(window, seq_len) keys in T's place; multi-token prediction's modules add their blocks' attention
+    and the shared output head once more each (6 V D)."""
     m = cfg.model
     width = (m.mla.qk_dim + m.mla.v_dim) / 2 if m.mla.enabled else m.head_size
-    return 6 * active_params(cfg, _lookup_tables(cfg)) + 12 * m.n_layers * m.n_heads * width * m.seq_len
+    keys = sum(min(m.window, m.seq_len) if m.layer_is_local(i) else m.seq_len for i in range(m.n_layers))
+    keys += m.mtp.depth * m.seq_len
+    return (6 * active_params(cfg, _lookup_tables(cfg)) + 12 * m.n_heads * width * keys
+            + 6 * m.mtp.depth * m.vocab_size * m.d_model)
 
 
 def utilization(cfg, tokens_per_s: float, devices: list, compute_dtype: str, record: dict) -> dict:
