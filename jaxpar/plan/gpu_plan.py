@@ -70,7 +70,7 @@ def plan_on_target(cfg: Config, target: str, search: bool, hardware: str | None 
     print(side_by_side(cpu, gpu, spec.memory_bytes))
     print(json.dumps({"compiler": "XLA:GPU", "target": target, "device_kind": spec.device_kind, "devices": len(gpus),
                       "device_memory_bytes": spec.memory_bytes,
-                      **{k: v for k, v in gpu.items() if k != "collective_ops"},
+                      **gpu,
                       "cpu": {"compiler": "XLA:CPU", **{k: cpu[k] for k in COMPARED}}}))
     return 0
 
@@ -82,13 +82,12 @@ def side_by_side(cpu: dict, gpu: dict, memory_bytes: int) -> str:
     lines += [f"{name:<32}{cpu[key] / mib:>14.2f}{gpu[key] / mib:>14.2f}" for name, key in MEMORY_ROWS]
     total = {name: plan["argument_bytes"] + plan["temp_bytes"] for name, plan in (("cpu", cpu), ("gpu", gpu))}
     lines.append(f"{'total (arguments + temporaries)':<32}{total['cpu'] / mib:>14.2f}{total['gpu'] / mib:>14.2f}"
-                 f"   ({total['gpu'] / memory_bytes:.1%} of the GPU's {memory_bytes / 1e9:g} GB)")
+                 f"   ({total['gpu'] / memory_bytes:.2%} of the GPU's {memory_bytes / 1e9:g} GB)")
     lines.append("")
-    lines.append(f"{'collectives per step':<20}{'CPU count':>10}{'CPU bytes':>16}{'GPU count':>10}{'GPU bytes':>16}")
+    lines.append(f"{'collective, per step':<22}{'CPU count':>10}{'CPU bytes':>16}{'GPU count':>10}{'GPU bytes':>16}")
     for op in gpu["collectives"]:
         if cpu["collective_counts"][op] or gpu["collective_counts"][op]:
-            lines.append(f"{op:<20}{cpu['collective_counts'][op]:>10d}{cpu['collectives'][op]:>16,d}"
+            lines.append(f"{op:<22}{cpu['collective_counts'][op]:>10d}{cpu['collectives'][op]:>16,d}"
                          f"{gpu['collective_counts'][op]:>10d}{gpu['collectives'][op]:>16,d}")
-    lines.append("(counts: executions per step, loops unrolled; XLA:GPU combines collectives, so it may run fewer, "
-                 "larger ones)")
+    lines.append("(counts: executions per step, loops unrolled; the two compilers combine collectives differently)")
     return "\n".join(lines)

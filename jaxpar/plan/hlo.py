@@ -147,7 +147,8 @@ def taking(module: Module, choices: dict[str, int]) -> Module:
 _NOT_WRITTEN = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
                 "after-all", "partition-id", "replica-id", "dot", "convolution", "copy-start", "copy-done",
                 "send", "recv", "send-done", "recv-done", "optimization-barrier"}
-_COLLECTIVE_PREFIXES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVE_PREFIXES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                        "ragged-all-to-all")
 
 
 def _fused(module: Module) -> tuple[set[str], set[str]]:

@@ -101,7 +101,7 @@ def measure_step(trainer) -> dict:
         "collective_wire_bytes": bytes_by_op(found, wire=True),
         "collective_ops": [
             {"op": c.op, "mesh_axes": list(c.mesh_axes), "bytes": c.bytes, "wire_bytes": c.wire_bytes,
-             "count": c.count} for c in found],
+             "count": c.count, "shapes": list(c.shapes)} for c in found],
         **_context_balance(trainer),
     }
 
@@ -125,11 +125,13 @@ def gpipe_beside_naive(trainer, trainer_for) -> dict:
 
 def _context_balance(trainer) -> dict:
     """With mesh.context > 1: the block pairs of attention each context rank computes per sequence, as
-    the schedule runs them (jaxpar.parallel.context), and their max / mean."""
+    the schedule runs them (jaxpar.parallel.context), and their max / mean: a windowed layer's when every
+    layer is windowed, else a global layer's (the most any layer computes)."""
     layout, model = trainer.layout, trainer.cfg.model
     if layout.context == 1:
         return {}
-    blocks = blocks_per_rank(model.seq_len, layout.context, layout.context_balance, model.flash_blocks())
+    window = model.window if all(model.layer_is_local(j) for j in range(model.unit_blocks)) else 0
+    blocks = blocks_per_rank(model.seq_len, layout.context, layout.context_balance, model.flash_blocks(), window)
     return {"context": {"attention": layout.context_attention, "balanced": layout.context_balance,
                         "blocks_per_rank": blocks, "max_over_mean": max(blocks) / (sum(blocks) / len(blocks))}}
 
