@@ -101,6 +101,17 @@ VARIANTS = {
 }
 
 
+# the quick tier runs these; the others are marked slow (the whole suite runs them all)
+QUICK_VARIANTS = ("window 5, blocks 16 x 8", "window 12 + three documents a row", "everything")
+QUICK_CONTEXT = ("ring, balanced, window 12, sinks, GQA",
+                 "all-gather, balanced, MQA, window 40, softcap, sinks, three documents")
+
+
+def tiered(names, quick) -> list:
+    """pytest params of `names`, those not in `quick` marked slow."""
+    return [pytest.param(n, id=n, marks=() if n in quick else pytest.mark.slow) for n in names]
+
+
 def _variant(name):
     window, softcap, scale, use_sinks, per_row, V, blocks = VARIANTS[name]
     q, k, v, sinks, weight = inputs(V=V, spread=2.0 if softcap else 1.0)
@@ -110,7 +121,7 @@ def _variant(name):
     return ScoreOptions(window, softcap, scale), args, ids, ref_kwargs, blocks
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", tiered(VARIANTS, QUICK_VARIANTS))
 def test_flash_matches_the_reference(variant):
     options, args, ids, ref_kwargs, (bq, bkv) = _variant(variant)
 
@@ -120,7 +131,7 @@ def test_flash_matches_the_reference(variant):
     check_against_reference(run, *args, ref_kwargs)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", tiered(VARIANTS, ("everything",)))
 def test_dot_matches_the_reference(variant):
     options, args, ids, ref_kwargs, blocks = _variant(variant)
     segments = None if ids is None else Segments(ids, jnp.zeros_like(ids))
@@ -225,7 +236,7 @@ CONTEXT_CASES = {  # (attention, balanced, key/value heads, documents per row, w
 }
 
 
-@pytest.mark.parametrize("case", list(CONTEXT_CASES))
+@pytest.mark.parametrize("case", tiered(CONTEXT_CASES, QUICK_CONTEXT))
 def test_context_attention_matches_the_reference(case):
     mode, balance, G, per_row, window, softcap, scale, use_sinks, V = CONTEXT_CASES[case]
     C, B, L = 4, 2, 64

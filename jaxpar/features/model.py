@@ -61,7 +61,7 @@ def _variants(m) -> Checks:
     """Sliding windows, their pattern over the layers, soft caps, the score scale and sinks."""
     if m.window < 0:
         yield f"model.window must be 0 (every earlier position) or positive, got {m.window}."
-    elif m.window > m.seq_len:
+    elif m.window > m.seq_len and not m.from_hf:  # a checkpoint's window stays (its export writes it back)
         yield (f"model.window={m.window} is longer than model.seq_len={m.seq_len} and would hide nothing; "
                f"set model.window=0 for full causal attention.")
     if m.attention_pattern:

@@ -1,12 +1,13 @@
 """Hugging Face `config.json` <-> jaxpar's `model.*` keys, for the Llama, Mistral, Qwen 2/2.5 and Qwen 3
-families and the Mixtral and Qwen3-MoE mixtures of experts. Pure Python (no jax): the CLI resolves
-`model.from_hf` while it reads the config.
+families and the Mixtral and Qwen3-MoE mixtures of experts here, and Gemma 3 (text), gpt-oss and
+DeepSeek-V3 in jaxpar.interop.hf_families. Pure Python (no jax): the CLI resolves `model.from_hf` while it
+reads the config.
 
 Reading: each supported field becomes a `model.*` value; a field jaxpar cannot honour (an output
-bias, a non-SiLU activation, an unknown RoPE type, sliding-window attention shorter than the
-training sequence) is refused in one sentence. RoPE settings are read in both spellings:
-`rope_theta` with `rope_scaling` (the published checkpoints) and `rope_parameters` (written by
-transformers 5). A field that is missing takes the family's default in transformers.
+bias, a non-SiLU activation, an unknown RoPE type, quantized weights) is refused in one sentence.
+RoPE settings are read in both spellings (jaxpar.interop.hf_rope), sliding windows as model.window
+and model.attention_pattern (jaxpar.interop.hf_windows). A field that is missing takes the family's
+default in transformers.
 
 Writing (`hf_config`): the source checkpoint's own config.json when the model came from one (its
 token ids and other fields kept), else a new one in the published spelling.
@@ -18,22 +19,20 @@ import json
 from pathlib import Path
 
 from jaxpar.config import Config, ConfigError, ModelConfig, apply_overrides, flatten_dict
-from jaxpar.errors import UserError
+from jaxpar.interop import hf_families
+from jaxpar.interop.hf_errors import CheckpointError
+from jaxpar.interop.hf_rope import rope_fields, rope_parameters, rope_settings
+from jaxpar.interop.hf_windows import window_fields, window_settings
 
 CONFIG_FILE = "config.json"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
-# Mistral's architecture is Llama's (its sliding window aside): a model from a Mistral checkpoint exports as one
-SAME_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
-                     "qwen3_moe": "qwen3_moe"}
+# Mistral's architecture is Llama's with a window: its config.json stands for a model of either family
+SAME_ARCHITECTURE = {"mistral": ("llama", "mistral")}
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
+KNOWN = FAMILIES + hf_families.NEW_FAMILIES
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-class CheckpointError(UserError):
-    """A Hugging Face checkpoint folder that jaxpar cannot read or cannot represent."""
 
 
 def read_config(folder: str | Path) -> dict:
@@ -56,31 +55,6 @@ def read_config(folder: str | Path) -> dict:
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path} does not hold a JSON object.")
     return hf
-
-
-def _rope(hf: dict, where: Path) -> dict[str, object]:
-    """The model.rope_* keys from either spelling of the RoPE settings."""
-    parameters = hf.get("rope_parameters")
-    if isinstance(parameters, dict) and "rope_theta" in parameters:  # transformers 5 (one dict per model)
-        scaling, theta = parameters, parameters["rope_theta"]
-    else:  # the published spelling: rope_theta, and rope_scaling (null for none)
-        scaling, theta = hf.get("rope_scaling") or {}, hf.get("rope_theta", 10000.0)
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
-    if kind not in ROPE_TYPES:
-        raise CheckpointError(f"{where} uses rope scaling of type {kind!r}; jaxpar supports "
-                              f"{', '.join(ROPE_TYPES)}.")
-    fields = {"linear": {"factor": "rope_factor"},
-              "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
-                         "high_freq_factor": "rope_high_freq_factor",
-                         "original_max_position_embeddings": "rope_original_context"}}.get(kind, {})
-    try:
-        keys: dict[str, object] = {"model.rope_theta": float(theta), "model.rope_scaling": ROPE_TYPES[kind]}
-        for field, key in fields.items():
-            keys[f"model.{key}"] = int(scaling[field]) if key == "rope_original_context" else float(scaling[field])
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{where}'s {kind} rope settings need a numeric rope_theta and "
-                              f"{', '.join(fields) or 'nothing else'}.") from None
-    return keys
 
 
 def moe_settings(hf: dict, where: Path) -> dict[str, object]:
@@ -126,12 +100,30 @@ def model_settings(hf: dict, where: Path) -> dict[str, object]:
     if family == "qwen2_moe":
         raise CheckpointError(f"{where} is a Qwen2-MoE, whose shared expert is scaled by a sigmoid gate "
                               f"(shared_expert_gate) that jaxpar's shared experts do not have; jaxpar imports "
-                              f"{', '.join(FAMILIES)}.")
-    if family not in FAMILIES:
-        raise CheckpointError(f"{where} has model_type {family!r}; jaxpar imports {', '.join(FAMILIES)}.")
+                              f"{', '.join(KNOWN)}.")
+    if family == "gemma3":
+        raise CheckpointError(f"{where} is a multimodal Gemma 3 (model_type gemma3); jaxpar imports the text-only "
+                              f"gemma3_text, whose settings it keeps under text_config and tensors under "
+                              f"language_model.")
+    if family not in KNOWN:
+        raise CheckpointError(f"{where} has model_type {family!r}; jaxpar imports {', '.join(KNOWN)}.")
     missing = [k for k in REQUIRED if not isinstance(hf.get(k), int)]
     if missing:
         raise CheckpointError(f"{where} lacks {', '.join(missing)} (integers every {family} config has).")
+    quantized = hf.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "quantized") if isinstance(quantized, dict) else quantized
+        raise CheckpointError(f"{where} holds {method} weights (quantization_config), and jaxpar reads float ones: "
+                              f"dequantize it first (load it in transformers with its quantization config's "
+                              f"dequantize=True, e.g. Mxfp4Config or FineGrainedFP8Config, and save_pretrained).")
+    if family in hf_families.NEW_FAMILIES:
+        return hf_families.model_settings(hf, where)
+    return {**hf_families.OFF, **hf_families.MOE_OFF, **_dense_settings(hf, where), **window_settings(hf, where)}
+
+
+def _dense_settings(hf: dict, where: Path) -> dict[str, object]:
+    """The model.* values of a Llama, Mistral, Qwen or (with its experts) Mixtral or Qwen3-MoE config."""
+    family = hf["model_type"]
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise CheckpointError(f"{where} uses hidden_act {hf['hidden_act']!r}; jaxpar's SwiGLU MLP needs silu.")
     if hf.get("mlp_bias"):
@@ -142,7 +134,7 @@ def model_settings(hf: dict, where: Path) -> dict[str, object]:
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or (128 if family == "qwen3" else hf["hidden_size"] // heads)
     qk_norm = family in ("qwen3", "qwen3_moe")
-    keys = {
+    return {
         "model.vocab_size": hf["vocab_size"], "model.d_model": hf["hidden_size"], "model.d_ff": hf["intermediate_size"],
         "model.n_layers": hf["num_hidden_layers"], "model.n_heads": heads,
         "model.n_kv_heads": hf.get("num_key_value_heads") or heads,
@@ -150,19 +142,9 @@ def model_settings(hf: dict, where: Path) -> dict[str, object]:
         "model.positions": "rope", "model.mlp": "swiglu", "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "model.qkv_bias": family == "qwen2", "model.qk_norm": qk_norm,
-        **_rope(hf, where), **(moe_settings(hf, where) if family in MOE_FAMILIES else {"model.moe.experts": 0}),
+        **rope_settings(rope_parameters(hf), where),
+        **(moe_settings(hf, where) if family in MOE_FAMILIES else {"model.moe.experts": 0}),
     }
-    return keys
-
-
-def sliding_window(hf: dict) -> int | None:
-    """The attention window the checkpoint's layers use, or None for full causal attention."""
-    if hf.get("model_type") in ("mistral", "mixtral"):  # a window unless null (Mixtral's default)
-        return hf.get("sliding_window", 4096 if hf["model_type"] == "mistral" else None)
-    types = hf.get("layer_types") or []
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in types):
-        return hf.get("sliding_window") or 0
-    return None
 
 
 def resolve(cfg: Config, given: set[str] = frozenset()) -> Config:
@@ -185,21 +167,25 @@ def resolve(cfg: Config, given: set[str] = frozenset()) -> Config:
         raise ConfigError(f"the config sets {given}, but model.from_hf={folder!r} has {theirs}; drop "
                           f"{'that key' if len(clash) == 1 else 'those keys'}, since the checkpoint's config.json "
                           f"fixes the model's shape.")
-    cfg = apply_overrides(cfg, wanted)
-    window = sliding_window(hf)
-    if window is not None and cfg.model.seq_len > window:
-        raise ConfigError(f"model.from_hf={folder!r} uses sliding-window attention over {window} positions, "
-                          f"which jaxpar does not implement; train with model.seq_len <= {window}, where it "
-                          f"equals full causal attention.")
-    return cfg
+    return apply_overrides(cfg, wanted)
 
 
 def family_of(m: ModelConfig) -> str:
     """The Hugging Face family a jaxpar model exports as; raises CheckpointError for one none of them
     can hold."""
+    family = hf_families.family_of(m)  # Gemma 3, gpt-oss, DeepSeek-V3: a feature only they have
+    if family is not None:
+        return family
     moe = m.moe
+    layer_kinds = bool(m.window and m.attention_pattern) and bool(moe.experts or not (m.qkv_bias or m.qk_norm))
     unsupported = {"model.mlp=gelu": m.mlp != "swiglu", "model.positions=learned": m.positions != "rope",
-                   "model.qkv_bias with model.qk_norm": m.qkv_bias and m.qk_norm}
+                   "model.qkv_bias with model.qk_norm": m.qkv_bias and m.qk_norm,
+                   f"model.rope_scaling={m.rope_scaling}": m.rope_scaling == "yarn", "model.out_bias": m.out_bias,
+                   f"model.attn_softcap={m.attn_softcap}": bool(m.attn_softcap),
+                   f"model.attn_scale={m.attn_scale}": bool(m.attn_scale),
+                   "model.moe.expert_groups": moe.expert_groups > 1 or moe.topk_groups > 1,
+                   "model.moe.first_dense": bool(moe.experts and moe.first_dense),
+                   f"model.attention_pattern={m.attention_pattern!r}": layer_kinds}
     if moe.experts:  # Mixtral and Qwen3-MoE: SwiGLU experts, top-k of softmax scores, nothing beside them
         unsupported.update({
             "model.moe.mlp=gelu": moe.mlp != "swiglu", f"model.moe.router={moe.router}": not moe.chooses_top_k,
@@ -211,33 +197,30 @@ def family_of(m: ModelConfig) -> str:
     asked = [key for key, on in unsupported.items() if on]
     if asked:
         raise CheckpointError(f"a model with {' and '.join(asked)} has no Hugging Face family to export to "
-                              f"({', '.join(FAMILIES[:4])} are SwiGLU, rotary, dense models; "
-                              f"{' and '.join(MOE_FAMILIES)} add SwiGLU experts chosen top-k by softmax scores).")
+                              f"({', '.join(FAMILIES[:4])} are SwiGLU, rotary, dense models, Mistral's with a window "
+                              f"on every layer, Qwen's on any; {' and '.join(MOE_FAMILIES)} add SwiGLU experts "
+                              f"chosen top-k by softmax scores).")
     if moe.experts:
         return "qwen3_moe" if m.qk_norm else "mixtral"
-    return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+    return "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "mistral" if m.window else "llama"
 
 
 def hf_config(m: ModelConfig, dtype: str, source: dict | None = None) -> dict:
     """The config.json of an export: the source checkpoint's, with the dtype of the written weights,
     or a new one for the model's family."""
     family = family_of(m)
-    if source is not None and SAME_ARCHITECTURE.get(source.get("model_type")) == family:
+    kind = source.get("model_type") if source is not None else None
+    if kind is not None and family in SAME_ARCHITECTURE.get(kind, (kind,)):
         out = dict(source)
+    elif family in hf_families.NEW_FAMILIES:
+        out = hf_families.new_config(m, family)
     else:
-        rope: dict[str, object] = {"rope_type": {v: k for k, v in ROPE_TYPES.items()}[m.rope_scaling]}
-        if m.rope_scaling != "none":
-            rope["factor"] = m.rope_factor
-        if m.rope_scaling == "llama3":
-            rope.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
-                        original_max_position_embeddings=m.rope_original_context)
         out = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": m.vocab_size,
                "hidden_size": m.d_model, "intermediate_size": m.d_ff, "num_hidden_layers": m.n_layers,
                "num_attention_heads": m.n_heads, "num_key_value_heads": m.kv_heads, "head_dim": m.head_size,
-               "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta,
-               "rope_scaling": rope if m.rope_scaling != "none" else None,
+               "hidden_act": "silu", "rms_norm_eps": m.norm_eps, **rope_fields(m),
                "tie_word_embeddings": m.tie_embeddings, "max_position_embeddings": max(m.seq_len, 2048),
-               "attention_bias": False, "mlp_bias": False}
+               "attention_bias": False, "mlp_bias": False, **window_fields(m, family)}
         if family == "qwen2":
             out.pop("attention_bias")
         out.update(_moe_fields(m, family))
@@ -251,11 +234,10 @@ def _moe_fields(m: ModelConfig, family: str) -> dict:
     moe = m.moe
     if family == "mixtral":
         return {"intermediate_size": m.expert_d_ff, "num_local_experts": moe.experts, "num_experts_per_tok": moe.top_k,
-                "sliding_window": None, "router_jitter_noise": 0.0}
+                "router_jitter_noise": 0.0}
     if family == "qwen3_moe":
         return {"num_experts": moe.experts, "num_experts_per_tok": moe.top_k, "moe_intermediate_size": m.expert_d_ff,
-                "norm_topk_prob": moe.renormalize, "decoder_sparse_step": moe.every, "mlp_only_layers": [],
-                "use_sliding_window": False}
+                "norm_topk_prob": moe.renormalize, "decoder_sparse_step": moe.every, "mlp_only_layers": []}
     return {}
 
 
