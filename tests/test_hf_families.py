@@ -42,6 +42,7 @@ LAYOUTS = {"data=4 x tensor=2, ZeRO-3": ["mesh.data=4", "mesh.tensor=2", "parall
 CASES = [(name, "data=4 x tensor=2, ZeRO-3") for name in NEW] + [(name, "data=2 x expert=4") for name in MOE]
 
 
+@pytest.mark.slow  # the quick tier checks each family on one device
 @pytest.mark.parametrize("name, layout", CASES)
 def test_load_matches_transformers_on_layouts(name, layout):
     """Each device reads its own slices of the checkpoint (the trainer's loader) and the layout's forward

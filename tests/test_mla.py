@@ -103,6 +103,7 @@ def test_forward_equals_numpy(q_rank, attn_scale, packed):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_yarn_scales_the_rotated_query_and_key():
     """With yarn the rotated dimensions are multiplied by the attention factor (0.1 ln 4 + 1 here) as
     transformers multiplies its cos and sin: the NumPy reference with that factor on its rotation."""
@@ -126,7 +127,7 @@ def test_yarn_scales_the_rotated_query_and_key():
 
 # ---------------------------------------------------------------- decoding from the latent cache
 
-@pytest.mark.parametrize("q_rank", [Q, 0])
+@pytest.mark.parametrize("q_rank", [Q, pytest.param(0, marks=pytest.mark.slow)])
 def test_decoding_from_the_latent_cache_equals_the_full_forward(q_rank):
     """A 5-token prefill, then one token at a time, through the whole model: the logits of the full
     forward, in fp32 rounding; and the cache is the latents and shared keys alone."""
@@ -146,6 +147,7 @@ def test_decoding_from_the_latent_cache_equals_the_full_forward(q_rank):
     assert int(caches.length[0]) == 12
 
 
+@pytest.mark.slow
 def test_left_padded_rows_decode_as_if_alone():
     """Rows that start at a later slot (a left-padded prompt) give the logits they give alone."""
     cfg = _cfg()
@@ -196,6 +198,7 @@ def test_the_plan_counts_the_decoding_cache(mla, session_for):
     assert entry["total_bytes"] == m.n_layers * numbers * 4 * session.cfg.train.batch_size * m.seq_len
 
 
+@pytest.mark.slow  # the quick tier counts the cache from the model (test_the_plan_counts_the_decoding_cache)
 def test_jaxpar_plan_reports_the_latent_cache(tmp_path, capsys):
     assert main(["plan", f"run.dir={tmp_path / 'run'}", *TINY, "mesh.data=4", "mesh.tensor=2"]) == 0
     out = capsys.readouterr().out

@@ -253,7 +253,8 @@ def _dispatched(real: bool, inputs):
     return body, [jax.device_put(a, NamedSharding(mesh, P("x"))) for a in inputs]
 
 
-@pytest.mark.parametrize("all_to_one", [False, True], ids=["random routes", "every row to one shard"])
+@pytest.mark.parametrize("all_to_one", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["random routes", "every row to one shard"])
 def test_ragged_dispatch_computes_what_one_device_computes_forward_and_backward(all_to_one):
     """All the shards' assignments may go to one shard's experts: its receive buffer takes them all, none dropped."""
     rng = np.random.default_rng(3)
