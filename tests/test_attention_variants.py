@@ -102,7 +102,7 @@ VARIANTS = {
 
 
 # the quick tier runs these; the others are marked slow (the whole suite runs them all)
-QUICK_VARIANTS = ("window 5, blocks 16 x 8", "window 12 + three documents a row", "everything")
+QUICK_VARIANTS = ("everything",)
 QUICK_CONTEXT = ("ring, balanced, window 12, sinks, GQA",)
 
 
@@ -187,6 +187,7 @@ def _layer(**model):
     return cfg, attn
 
 
+@pytest.mark.slow  # the quick tier decodes through test_mla's latent cache
 def test_decode_with_a_cache_matches_the_whole_sequence_through_the_window():
     cfg, attn = _layer(window=5, sinks=True, attn_softcap=3.0)
     x = jax.random.normal(jax.random.key(1), (2, cfg.seq_len, cfg.d_model))
@@ -315,6 +316,7 @@ def test_windowed_flash_work_is_a_fraction_of_full_attention():
     assert forward_512 == (W + 512) / L and forward_512 <= 0.15 and training_64 <= 0.15, (forward_512, training_64)
 
 
+@pytest.mark.slow
 def test_windowed_flash_temporaries_do_not_grow_with_the_sequence_beyond_its_buffers():
     """Window 4096, blocks 512, forward + backward at 8k, 16k and 32k positions: beyond the O(L) buffers of
     backward (the fp32 dQ accumulator, the log-sum-exp and D = rowsum(dO * O): 4K + 8 bytes a position and

@@ -141,7 +141,12 @@ BROKEN = {
 }
 
 
-@pytest.mark.parametrize("case", BROKEN)
+# the quick tier breaks one mapping of each family; the whole suite all of them
+QUICK_BREAKS = ("gemma3_text: pre-feedforward and post-attention norms swapped",
+                "gpt_oss: sinks dropped (read as zeros)", "deepseek_v3: rotary rows left interleaved")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in QUICK_BREAKS else pytest.mark.slow) for c in BROKEN])
 def test_a_broken_mapping_fails(case, monkeypatch):
     name, breaking = BROKEN[case]
     breaking(monkeypatch)
