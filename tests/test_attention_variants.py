@@ -103,7 +103,7 @@ VARIANTS = {
 
 # the quick tier runs these; the others are marked slow (the whole suite runs them all)
 QUICK_VARIANTS = ("everything",)
-QUICK_CONTEXT = ("ring, balanced, window 12, sinks, GQA",)
+QUICK_CONTEXT = ()  # tests/test_context.py's quick tests run context attention; these cases, the whole suite
 
 
 def tiered(names, quick) -> list:

@@ -127,7 +127,8 @@ def test_yarn_scales_the_rotated_query_and_key():
 
 # ---------------------------------------------------------------- decoding from the latent cache
 
-@pytest.mark.parametrize("q_rank", [Q, pytest.param(0, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the quick tier counts the latent cache (test_the_plan_counts_the_decoding_cache)
+@pytest.mark.parametrize("q_rank", [Q, 0])
 def test_decoding_from_the_latent_cache_equals_the_full_forward(q_rank):
     """A 5-token prefill, then one token at a time, through the whole model: the logits of the full
     forward, in fp32 rounding; and the cache is the latents and shared keys alone."""
