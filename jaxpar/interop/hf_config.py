@@ -71,11 +71,9 @@ def moe_settings(hf: dict, where: Path) -> dict[str, object]:
     if not (isinstance(experts, int) and isinstance(top_k, int) and 0 < top_k <= experts and isinstance(width, int)):
         raise CheckpointError(f"{where} needs integers num_experts (or num_local_experts) > 0, num_experts_per_tok "
                               f"between 1 and it{'' if mixtral else ' and moe_intermediate_size'}.")
-    return {"model.moe.experts": experts, "model.moe.every": 1 if mixtral else _moe_every(hf, where),
-            "model.moe.router": "dropless", "model.moe.top_k": top_k, "model.moe.mlp": "swiglu",
-            "model.moe.d_ff": width, "model.moe.score": "softmax",
-            "model.moe.renormalize": mixtral or bool(hf.get("norm_topk_prob", False)), "model.moe.routed_scale": 1.0,
-            "model.moe.shared": 0, "model.moe.balance": "aux", "model.moe.noise": False}
+    return hf_families.dropless_settings(
+        experts, top_k, width, every=1 if mixtral else _moe_every(hf, where), mlp="swiglu", score="softmax",
+        renormalize=mixtral or bool(hf.get("norm_topk_prob", False)), routed_scale=1.0, shared=0, balance="aux")
 
 
 def _moe_every(hf: dict, where: Path) -> int:
@@ -131,15 +129,11 @@ def _dense_settings(hf: dict, where: Path) -> dict[str, object]:
     if family != "qwen2" and hf.get("attention_bias"):
         raise CheckpointError(f"{where} has attention_bias=true, which includes an output-projection bias that "
                               f"jaxpar's attention does not have.")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or (128 if family == "qwen3" else hf["hidden_size"] // heads)
+    head_dim = hf.get("head_dim") or (128 if family == "qwen3" else hf["hidden_size"] // hf["num_attention_heads"])
     qk_norm = family in ("qwen3", "qwen3_moe")
     return {
-        "model.vocab_size": hf["vocab_size"], "model.d_model": hf["hidden_size"], "model.d_ff": hf["intermediate_size"],
-        "model.n_layers": hf["num_hidden_layers"], "model.n_heads": heads,
-        "model.n_kv_heads": hf.get("num_key_value_heads") or heads,
-        "model.head_dim": head_dim if head_dim * heads != hf["hidden_size"] else 0,
-        "model.positions": "rope", "model.mlp": "swiglu", "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        **hf_families.shape_settings(hf, head_dim), "model.mlp": "swiglu",
+        "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "model.qkv_bias": family == "qwen2", "model.qk_norm": qk_norm,
         **rope_settings(rope_parameters(hf), where),

@@ -42,8 +42,9 @@ def model_settings(hf: dict, where: Path) -> dict[str, object]:
     return {**OFF, **MOE_OFF, **read(hf, where)}
 
 
-def _shape(hf: dict, head_dim: int, heads_kv: int | None = None) -> dict[str, object]:
-    """The sizes every family has; model.head_dim 0 where the heads split the model width."""
+def shape_settings(hf: dict, head_dim: int, heads_kv: int | None = None) -> dict[str, object]:
+    """The sizes every family has (hf_config's families too); model.head_dim 0 where the heads split the
+    model width."""
     heads = hf["num_attention_heads"]
     return {"model.vocab_size": hf["vocab_size"], "model.d_model": hf["hidden_size"],
             "model.d_ff": hf["intermediate_size"], "model.n_layers": hf["num_hidden_layers"], "model.n_heads": heads,
@@ -60,7 +61,7 @@ def _gemma(hf: dict, where: Path) -> dict[str, object]:
         raise CheckpointError(f"{where} uses hidden_activation {activation!r}; jaxpar's GeGLU is "
                               f"gelu_pytorch_tanh's (the tanh approximation).")
     bias = bool(hf.get("attention_bias", False))  # on the query, key, value and output projections
-    return {**_shape(hf, hf.get("head_dim") or 256), "model.mlp": "geglu",
+    return {**shape_settings(hf, hf.get("head_dim") or 256), "model.mlp": "geglu",
             "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
             "model.tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "model.qkv_bias": bias,
             "model.out_bias": bias, "model.qk_norm": True, "model.norm_offset": True, "model.sandwich_norm": True,
@@ -87,8 +88,9 @@ def _gemma_rope(hf: dict, where: Path) -> dict[str, object]:
     return {**rope_settings(full, where, ("default", "linear")), "model.rope_local_theta": float(local["rope_theta"])}
 
 
-def _moe(experts, top_k, width, **keys) -> dict[str, object]:
-    """The model.moe.* values of a dropless top-k mixture (every routed token computed, no noise)."""
+def dropless_settings(experts, top_k, width, **keys) -> dict[str, object]:
+    """The model.moe.* values of a dropless top-k mixture (every routed token computed, no noise; every
+    layer's MLP the experts unless `every` says otherwise)."""
     return {"model.moe.experts": experts, "model.moe.every": 1, "model.moe.router": "dropless",
             "model.moe.top_k": top_k, "model.moe.d_ff": width, "model.moe.noise": False,
             **{f"model.moe.{k}": v for k, v in keys.items()}}
@@ -110,13 +112,14 @@ def _gpt_oss(hf: dict, where: Path) -> dict[str, object]:
     bias = bool(hf.get("attention_bias", True))
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     parameters = rope_parameters(hf, 150_000.0, GPT_OSS_ROPE)
-    return {**_shape(hf, head_dim), "model.mlp": "swiglu", "model.norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+    return {**shape_settings(hf, head_dim), "model.mlp": "swiglu",
+            "model.norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
             "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "model.qkv_bias": bias,
             "model.out_bias": bias, "model.qk_norm": False, "model.sinks": True,
             **rope_settings(parameters, where, ("default", "linear", "yarn")), **window_settings(hf, where),
-            **_moe(experts, top_k, hf["intermediate_size"], mlp="gpt_oss", score="softmax", renormalize=True,
-                   logit_bias=True, swiglu_limit=float(limit), swiglu_alpha=float(alpha), routed_scale=1.0,
-                   shared=0, balance="aux")}
+            **dropless_settings(experts, top_k, hf["intermediate_size"], mlp="gpt_oss", score="softmax",
+                                renormalize=True, logit_bias=True, swiglu_limit=float(limit),
+                                swiglu_alpha=float(alpha), routed_scale=1.0, shared=0, balance="aux")}
 
 
 # Published keys transformers' DeepSeek-V3 does not read (it always scores by sigmoid with the correction
@@ -156,18 +159,20 @@ def _deepseek(hf: dict, where: Path) -> dict[str, object]:
     _integers(where, **sizes)
     parameters = rope_parameters(hf, 10_000.0)
     width = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
-    return {**_shape(hf, 0, heads_kv=0), "model.mlp": "swiglu", "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+    return {**shape_settings(hf, 0, heads_kv=0), "model.mlp": "swiglu",
+            "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
             "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "model.qkv_bias": False,
             "model.qk_norm": False, **rope_settings(parameters, where, ("default", "linear", "yarn")),
             "model.attn_scale": latent_softmax_scale(parameters, width),
             "model.mla.kv_rank": sizes["kv_lora_rank"], "model.mla.q_rank": sizes["q_lora_rank"],
             "model.mla.rope_dim": sizes["qk_rope_head_dim"], "model.mla.nope_dim": sizes["qk_nope_head_dim"],
             "model.mla.v_dim": sizes["v_head_dim"],
-            **_moe(sizes["n_routed_experts"], sizes["num_experts_per_tok"], sizes["moe_intermediate_size"],
-                   mlp="swiglu", score="sigmoid", renormalize=bool(hf.get("norm_topk_prob", True)),
-                   routed_scale=float(hf.get("routed_scaling_factor", 2.5)), shared=sizes["n_shared_experts"],
-                   balance="bias", expert_groups=sizes["n_group"], topk_groups=sizes["topk_group"],
-                   first_dense=sizes["first_k_dense_replace"], logit_bias=False)}
+            **dropless_settings(sizes["n_routed_experts"], sizes["num_experts_per_tok"], sizes["moe_intermediate_size"],
+                                mlp="swiglu", score="sigmoid", renormalize=bool(hf.get("norm_topk_prob", True)),
+                                routed_scale=float(hf.get("routed_scaling_factor", 2.5)),
+                                shared=sizes["n_shared_experts"], balance="bias", expert_groups=sizes["n_group"],
+                                topk_groups=sizes["topk_group"], first_dense=sizes["first_k_dense_replace"],
+                                logit_bias=False)}
 
 
 def family_of(m: ModelConfig) -> str | None:
