@@ -223,11 +223,7 @@ def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGV: jax.Array, segments: Se
     if kernel == "flash":
         return flash_attention(q_BLHK, k_BLHK, v_BLHV, block_q=blocks[0], block_kv=blocks[1], segment_ids_BL=ids_BL,
                                options=options, sinks_H=sinks_H)
-    visible_B1LP = None
-    if segments is not None:  # causal and in the window, in the same document
-        position_L = jnp.arange(q_BLHK.shape[1])
-        same_BLP = segments.ids_BL[:, :, None] == segments.ids_BL[:, None, :]
-        visible_B1LP = (options.sees(position_L, position_L)[None] & same_BLP)[:, None]
+    visible_B1LP = None if segments is None else segments.visible_BLP(options.window)[:, None]
     return dot_attention(q_BLHK, k_BLHK, v_BLHV, visible_B1LP, options, sinks_H)
 
 

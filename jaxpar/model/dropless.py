@@ -43,8 +43,7 @@ def dropless_experts(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array
     x_AD = x_TD[order_A // K]
     y_AD = down(hidden(x_AD, sizes_E), w_down_EFD, sizes_E, b_down_ED)
     y_AD = jnp.where(held_A[order_A][:, None], y_AD, 0)  # rows past the held experts' groups
-    y_TKD = jnp.zeros_like(y_AD).at[order_A].set(y_AD).reshape(T, K, -1)  # back in token order
-    return jnp.einsum("TKD,TK->TD", y_TKD, gates_TK.astype(y_TKD.dtype))
+    return _gated(y_AD, order_A, gates_TK)
 
 
 def ragged_dropless_experts(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, hidden,
@@ -62,7 +61,14 @@ def ragged_dropless_experts(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: ja
     rows_RD = exchange.ragged_all_to_all(x_AD, jnp.zeros((S * A, *x_AD.shape[1:]), x_AD.dtype), *routes.there)
     y_RD = _held_experts(rows_RD, routes.held_SE, hidden, w_down_EFD, b_down_ED)
     y_AD = exchange.ragged_all_to_all(y_RD, jnp.zeros((A, *y_RD.shape[1:]), y_RD.dtype), *routes.back)
-    y_TKD = jnp.zeros_like(y_AD).at[order_A].set(y_AD, unique_indices=True).reshape(T, K, -1)  # token order
+    return _gated(y_AD, order_A, gates_TK)
+
+
+def _gated(y_AD: jax.Array, order_A: jax.Array, gates_TK: jax.Array) -> jax.Array:
+    """The assignments' results (sorted as order_A sorted them) back in token order, summed over each
+    token's choices weighted by its gates: (T, D)."""
+    T, K = gates_TK.shape
+    y_TKD = jnp.zeros_like(y_AD).at[order_A].set(y_AD, unique_indices=True).reshape(T, K, -1)
     return jnp.einsum("TKD,TK->TD", y_TKD, gates_TK.astype(y_TKD.dtype))
 
 

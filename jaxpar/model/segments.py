@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxpar.model.scores import ScoreOptions
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +25,9 @@ class Segments:
     ids_BL: jax.Array
     positions_BL: jax.Array
 
-    def visible_BLP(self) -> jax.Array:
-        """(B, L, L) bools: query l sees key p when p <= l and both are in the same document."""
-        L = self.ids_BL.shape[1]
-        causal_LP = jnp.tril(jnp.ones((L, L), dtype=bool))
-        return causal_LP[None] & (self.ids_BL[:, :, None] == self.ids_BL[:, None, :])
+    def visible_BLP(self, window: int = 0) -> jax.Array:
+        """(B, L, L) bools: query l sees key p when p <= l (and l - p < window, if set) and both are in
+        the same document."""
+        position_L = jnp.arange(self.ids_BL.shape[1])
+        seen_LP = ScoreOptions(window=window).sees(position_L, position_L)
+        return seen_LP[None] & (self.ids_BL[:, :, None] == self.ids_BL[:, None, :])
