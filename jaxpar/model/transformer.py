@@ -229,9 +229,8 @@ class Transformer(nnx.Module):
         ids = jnp.arange(stacked_layers(stacked)) if layer_ids is None else layer_ids
 
         def one_layer(x_BLD, layer_state, layer_id):
-            keys_B = None if noise_B is None else jax.vmap(lambda k: jax.random.fold_in(k, layer_id))(noise_B)
             traced = None if routing is None else routing.at_layer(layer_id * self.moe_blocks_per_unit)
-            return nnx.merge(graphdef, layer_state)(x_BLD, keys_B, segments, traced)
+            return nnx.merge(graphdef, layer_state)(x_BLD, _layer_keys(noise_B, layer_id), segments, traced)
 
         if self.dense_blocks is not None:  # not pipelined (refused): every run of the blocks starts with them
             x_BLD = self._run_dense_blocks(x_BLD, noise_B, segments)
@@ -245,11 +244,9 @@ class Transformer(nnx.Module):
         first_id = self.stacked_layers()
 
         def one_layer(x_BLD, layer_state, layer_id):
-            keys_B = None if noise_B is None else jax.vmap(lambda k: jax.random.fold_in(k, layer_id))(noise_B)
-            return nnx.merge(graphdef, layer_state)(x_BLD, keys_B, segments, None)[0], None
+            return nnx.merge(graphdef, layer_state)(x_BLD, _layer_keys(noise_B, layer_id), segments, None)[0], None
 
-        ids = first_id + jnp.arange(stacked_layers(stacked))
-        return jax.lax.scan(lambda x, layer: one_layer(x, *layer), x_BLD, (stacked, ids))[0]
+        return plain_scan(one_layer, x_BLD, stacked, first_id + jnp.arange(stacked_layers(stacked)))[0]
 
 
 # scan(one_layer, x_BLD, stacked_state, layer_ids) -> (x_BLD, per-layer stats): see run_blocks.
@@ -259,6 +256,11 @@ LayerScan = Callable[[Callable, jax.Array, object, jax.Array], tuple]
 def plain_scan(one_layer: Callable, x_BLD: jax.Array, stacked, layer_ids: jax.Array):
     """A `lax.scan` of one_layer over the stacked layers, nothing kept or redone specially."""
     return jax.lax.scan(lambda x, layer: one_layer(x, *layer), x_BLD, (stacked, layer_ids))
+
+
+def _layer_keys(noise_B: jax.Array | None, layer_id: jax.Array) -> jax.Array | None:
+    """Each row's key for one layer: the row's key with the layer id folded in (None without keys)."""
+    return None if noise_B is None else jax.vmap(lambda k: jax.random.fold_in(k, layer_id))(noise_B)
 
 
 def _write_new_slots(caches, layer_caches, index: jax.Array, start: jax.Array, new: int):
