@@ -106,21 +106,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = _load(args.settings)
     session = on_devices(cfg, setup_devices(cfg))  # shapes only: no data is read, so any seq_len plans
-    from jaxpar.plan.decode_cache import decode_cache
-    from jaxpar.plan.memory import format_report, gpipe_beside_naive, measure_step
-    from jaxpar.train.trainer import Trainer
+    from jaxpar.plan.memory import format_report
+    from jaxpar.plan.step_plan import plan_of, predicted
 
-    trainer = Trainer(session)
-    plan = {**measure_step(trainer), **gpipe_beside_naive(trainer, lambda c: Trainer(on_devices(c, session.devices))),
-            **decode_cache(trainer)}
+    plan, trainer = plan_of(session)
     if args.hardware:
-        from jaxpar.plan.calibrate import profile
-        from jaxpar.plan.roofline import predict_layout
-
-        table = trainer.pipeline.table  # predicted over the hosts of that hardware, not those of this run
-        plan["predicted"] = predict_layout(plan, profile(args.hardware, session.devices), session.cfg,
-                                           session.mesh_sizes,
-                                           table.idle_fraction if table is not None else 0.0).to_dict()
+        plan["predicted"] = predicted(plan, trainer, args.hardware, session.devices)
     from jaxpar.runtime import distributed
 
     if not distributed.is_secondary():  # per-device figures: every process compiled the same program

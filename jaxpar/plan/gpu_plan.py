@@ -14,10 +14,8 @@ import json
 
 from jaxpar.config import Config, ConfigError
 from jaxpar.plan import gpu_target
-from jaxpar.plan.calibrate import profile
-from jaxpar.plan.decode_cache import decode_cache
-from jaxpar.plan.memory import format_report, gpipe_beside_naive, measure_step
-from jaxpar.plan.roofline import predict_layout
+from jaxpar.plan.memory import format_report
+from jaxpar.plan.step_plan import plan_of, predicted
 from jaxpar.runtime import distributed
 from jaxpar.runtime.devices import setup_devices
 from jaxpar.session import on_devices
@@ -30,12 +28,10 @@ MEMORY_ROWS = (("parameters", "params_bytes"), ("optimizer state", "opt_state_by
                ("arguments (state + batch)", "argument_bytes"), ("outputs", "output_bytes"))
 
 
-def plan_of(session) -> tuple[dict, Trainer]:
-    """What `jaxpar plan` measures of a session's step on the session's devices (CPU or GPU target), and the
-    trainer it compiled."""
-    trainer = Trainer(session)
-    plan = {**measure_step(trainer), **gpipe_beside_naive(trainer, lambda c: Trainer(on_devices(c, session.devices))),
-            **decode_cache(trainer)}
+def counted_plan(session) -> tuple[dict, Trainer]:
+    """`jaxpar plan`'s figures of a session's step (jaxpar.plan.step_plan) with each kind of collective's
+    executions per step (`collective_counts`), and the trainer it compiled."""
+    plan, trainer = plan_of(session)
     plan["collective_counts"] = {op: 0 for op in plan["collectives"]}
     for c in plan["collective_ops"]:
         plan["collective_counts"][c["op"]] += c["count"]
@@ -57,11 +53,8 @@ def plan_on_target(cfg: Config, target: str, search: bool, hardware: str | None 
     cpu_session = on_devices(cfg, setup_devices(cfg))  # shapes only: no data is read
     gpus = gpu_target.gpu_devices(target, len(cpu_session.devices))
     gpu_session = on_devices(cfg, gpus)
-    (cpu, _), (gpu, trainer) = plan_of(cpu_session), plan_of(gpu_session)
-    table = trainer.pipeline.table
-    gpu["predicted"] = predict_layout(gpu, profile(hardware or target, gpus), gpu_session.cfg,
-                                      gpu_session.mesh_sizes, table.idle_fraction if table is not None else 0.0
-                                      ).to_dict()
+    (cpu, _), (gpu, trainer) = counted_plan(cpu_session), counted_plan(gpu_session)
+    gpu["predicted"] = predicted(gpu, trainer, hardware or target, gpus)
     spec = gpu_target.TARGETS[target]
     print(f"XLA:GPU's program for {len(gpus)} x {spec.device_kind} ({gpu_session.mesh_name()}), compiled here "
           f"without a GPU by the CUDA plugin; target {target}: {spec.source}")
