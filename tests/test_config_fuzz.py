@@ -26,7 +26,8 @@ import yaml
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-import jaxpar.train.loop  # noqa: F401  (imported before the Trainer is patched, see TRAINER_NAMES)
+import jaxpar.plan.step_plan  # noqa: F401  (imported before the Trainer is patched, see TRAINER_NAMES)
+import jaxpar.train.loop  # noqa: F401
 import jaxpar.train.verify  # noqa: F401
 from jaxpar.cli import main
 from jaxpar.config import Config, _leaf_types, all_keys
@@ -80,7 +81,8 @@ def cwd(tmp_path_factory) -> Path:
 
 # Where train, verify and plan look the Trainer up (imported here first, so that the patch
 # never becomes a module's own binding).
-TRAINER_NAMES = ("jaxpar.train.trainer.Trainer", "jaxpar.train.loop.Trainer", "jaxpar.train.verify.Trainer")
+TRAINER_NAMES = ("jaxpar.train.trainer.Trainer", "jaxpar.train.loop.Trainer", "jaxpar.train.verify.Trainer",
+                 "jaxpar.plan.step_plan.Trainer")
 
 
 def run_cli(command: str, args: list[str], cwd: Path) -> tuple[int | None, str, object]:
