@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # jaxpar quick start. Creates (or reuses) .venv with the pinned dependencies, then:
 #   bash run.sh train [key=value ...]   train the default model on 8 emulated CPU devices (data=4 x tensor=2)
-#   bash run.sh test  [pytest args ...] lint (ruff), then run the whole test suite (-m "not slow": the quick tier)
+#   bash run.sh test  [pytest args ...] lint (ruff), install the CUDA plugin for plan --target into .gpu-plan/
+#                                       (once), then run the whole test suite (-m "not slow": the quick tier)
 #   bash run.sh jaxpar ...              any jaxpar command inside the environment
 # PYTHON=/path/to/python3.12 picks the interpreter; otherwise the first one that really runs
 # and is 3.12 or newer is taken from PATH, then from the usual install places (pyenv, /usr/local).
@@ -49,11 +50,26 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   echo "$wanted" > "$stamp"
 fi
 
+# The CUDA plugin for `jaxpar plan --target` (jaxpar[gpu-plan], ~470 MB) goes into .gpu-plan/, apart from
+# .venv, so that `train` and the library never see it; the tests put it on PYTHONPATH (tests/test_gpu_plan.py).
+gpu_plan=.gpu-plan
+gpu_plan_stamp="$gpu_plan/.jaxpar-install"
+gpu_plan_wanted="jax-cuda12-plugin==0.12.0.1 jax-cuda12-pjrt==0.12.0.1"
+install_gpu_plan() {
+  if [ "$(cat "$gpu_plan_stamp" 2>/dev/null)" != "$gpu_plan_wanted" ]; then
+    echo "run.sh: installing the CUDA plugin for plan --target ($gpu_plan_wanted) into $gpu_plan" >&2
+    rm -rf "$gpu_plan"
+    # shellcheck disable=SC2086  # the two requirements, split
+    "$venv/bin/python" -m pip install --disable-pip-version-check -q --no-deps --target "$gpu_plan" $gpu_plan_wanted
+    echo "$gpu_plan_wanted" > "$gpu_plan_stamp"
+  fi
+}
+
 command="${1:-}"
 [ $# -gt 0 ] && shift
 case "$command" in
   train) exec "$venv/bin/jaxpar" train configs/default.yaml "$@" ;;
-  test) "$venv/bin/ruff" check . && exec "$venv/bin/python" -m pytest -q "$@" ;;
+  test) "$venv/bin/ruff" check . && install_gpu_plan && JAXPAR_GPU_PLAN=required exec "$venv/bin/python" -m pytest -q "$@" ;;
   jaxpar) exec "$venv/bin/jaxpar" "$@" ;;
   *) echo "usage: bash run.sh train|test|jaxpar [arguments]" >&2; exit 2 ;;
 esac

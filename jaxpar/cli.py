@@ -96,9 +96,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     if not args.search and (args.memory_gb is not None or args.top is not None or args.processes):
         raise ConfigError("--memory-gb, --top and --processes belong to a layout search; add --search.")
-    if args.target:  # XLA:CPU's plan beside XLA:GPU's, compiled here without a GPU
+    if args.hosts != 1 and not args.target:
+        raise ConfigError("--hosts counts the hosts of GPUs that plan --target compiles for; add --target.")
+    if args.target and not args.search:  # XLA:CPU's plan beside XLA:GPU's, compiled here without a GPU
         from jaxpar.plan.gpu_plan import plan_on_target
-        return plan_on_target(_load(args.settings), args.target, args.search, args.hardware)
+        return plan_on_target(_load(args.settings), args.target, args.hosts, args.hardware)
     if args.search:
         return _plan_search(args)
     from jaxpar.runtime.devices import setup_devices
@@ -137,9 +139,12 @@ def _plan_search(args: argparse.Namespace) -> int:
     given = {key for key, _ in map(parse_override, overrides)}
     flat = flatten_dict(cfg.to_dict())
     fixed = {k: flat[k] for k in SEARCHED_KEYS if k in given and not (k in MESH_KEYS and flat[k] == -1)}
-    from jaxpar.runtime.devices import setup_devices
-
-    devices = setup_devices(cfg)
+    if args.target:  # every layout compiled by XLA:GPU for the target, within one GPU's memory
+        from jaxpar.plan.gpu_plan import search_devices
+        cfg, devices, memory = search_devices(cfg, args.target, args.hosts, args.hardware)
+    else:
+        from jaxpar.runtime.devices import setup_devices
+        devices, memory = setup_devices(cfg), None
     from jaxpar.config import precision
     from jaxpar.plan import search_report
     from jaxpar.plan.calibrate import profile
@@ -147,15 +152,17 @@ def _plan_search(args: argparse.Namespace) -> int:
     from jaxpar.plan.search import search
     from jaxpar.train.model_flops import flops_per_token
 
-    name = args.hardware or ("cpu" if devices[0].platform == "cpu" else for_device_kind(devices[0].device_kind))
+    name = args.hardware or args.target or ("cpu" if devices[0].platform == "cpu"
+                                            else for_device_kind(devices[0].device_kind))
     if name is None:
         raise ConfigError(f"no hardware profile matches {devices[0].device_kind!r}; "
                           f"give --hardware (one of {', '.join(PROFILES)}).")
     hardware = profile(name, devices)
-    budget = args.memory_gb * 1e9 if args.memory_gb is not None else hardware.memory_bytes
+    budget = args.memory_gb * 1e9 if args.memory_gb is not None else memory or hardware.memory_bytes
     top = args.top or DEFAULT_TOP
     result = search(cfg, devices, hardware, budget, fixed, progress=not args.no_progress,
-                    processes=args.processes or min(os.cpu_count() or 1, MAX_SEARCH_PROCESSES), top=top)
+                    processes=args.processes or min(os.cpu_count() or 1, MAX_SEARCH_PROCESSES), top=top,
+                    target=(args.target, len(devices), args.hosts) if args.target else None)
     best = search_report.best_overrides(result)
     print(search_report.table(result, top))
     settings = [*([path] if path else []), *(o for o in overrides if parse_override(o)[0] not in SEARCHED_KEYS)]
@@ -347,8 +354,8 @@ def _add_plan(sub) -> None:
                    help="processes compiling layouts at once "
                         f"(default 0: one per core, at most {MAX_SEARCH_PROCESSES})")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --search")
-    from jaxpar.plan.gpu_target import add_target_flag
-    add_target_flag(p)
+    from jaxpar.plan.gpu_target import add_target_flags
+    add_target_flags(p)
 
 
 def main(argv: list[str] | None = None) -> int:

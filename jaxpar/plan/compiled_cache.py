@@ -2,7 +2,8 @@
 search, or a benchmark after a search, compiles nothing it compiled before.
 
 An entry is keyed by everything its program depends on: the config (less the run section,
-which names folders and devices), the device count, the jax and jaxlib versions, and the
+which names folders and devices), the devices (count, platform, kind and processes: a GPU target's
+programs are XLA:GPU's), the jax and jaxlib versions, and the
 source of the jaxpar package less the modules that only read entries (CONSUMERS), so a change
 to the code that builds or measures a program makes the old entries unused.
 """
@@ -33,13 +34,15 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def entry_path(cfg, n_devices: int) -> Path:
-    """The cache file of `cfg` compiled for `n_devices` devices."""
+def entry_path(cfg, n_devices: int, kind: tuple = ()) -> Path:
+    """The cache file of `cfg` compiled for `n_devices` devices of `kind` (platform, device kind, processes:
+    XLA:CPU's emulated devices and a GPU target's compile different programs)."""
     import jax
     import jaxlib
 
     program = {k: v for k, v in cfg.to_dict().items() if k != "run"}
-    key = json.dumps([program, n_devices, jax.__version__, jaxlib.__version__, _source_digest()], sort_keys=True)
+    key = json.dumps([program, n_devices, *kind, jax.__version__, jaxlib.__version__, _source_digest()],
+                     sort_keys=True)
     return cache_dir() / "plans" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
@@ -54,7 +57,8 @@ def load(path: Path) -> dict | None:
 def measure(layout: Config, devices: list, budget: float) -> tuple[dict, bool]:
     """(the cache entry of `layout`, whether it came from the cache); compiles unless cached. An
     entry whose state alone exceeds `budget` holds only the state's bytes."""
-    path = entry_path(layout, len(devices))
+    kind = (devices[0].platform, devices[0].device_kind, len({d.process_index for d in devices}))
+    path = entry_path(layout, len(devices), kind)
     entry = load(path)
     if entry is not None and (not entry.get("state_only") or entry["bytes_per_device"] > budget):
         return entry, True

@@ -1,22 +1,31 @@
-"""GPUs to compile for without one: XLA:GPU's target configs for H100 and H200, and their devices.
+"""GPUs to compile for without one: XLA:GPU's target configs for H100, H200 and B200, and their devices.
 
 The CUDA plugin's compiler runs on a machine with no GPU and no CUDA driver: with jax limited to the
 CPU (JAX_PLATFORMS=cpu skips the plugin's driver check), `jax.experimental.topologies` makes abstract
-GPU devices from a target config (stream_executor's GpuTargetConfigProto in text form), and a jit
-sharded over them lowers and compiles to XLA:GPU's program, whose memory_analysis() and HLO the plan
-reads. Nothing runs. The plugin (jax-cuda12-plugin and jax-cuda12-pjrt, about 470 MB) is the optional
-extra `jaxpar[gpu-plan]`; it needs none of the nvidia-* wheels to compile.
+GPU devices from a target config (stream_executor's GpuTargetConfigProto in text form) and a topology
+"<slices>x<hosts>x<GPUs per host>" (the plugin's; here 1 x hosts x 8, each host a process of its own),
+and a jit sharded over them lowers and compiles to XLA:GPU's program, whose memory_analysis() and HLO
+the plan reads. Nothing runs. The plugin (jax-cuda12-plugin and jax-cuda12-pjrt, about 470 MB) is the
+optional extra `jaxpar[gpu-plan]`; it needs none of the nvidia-* wheels to compile.
 
 Each target's figures come from NVIDIA's documents, cited beside them:
   * H100 SXM5 80 GB and H200 SXM 141 GB datasheets (nvidia.com/en-us/data-center/h100, /h200): the
     memory size and bandwidth;
   * the NVIDIA H100 Tensor Core GPU Architecture whitepaper (GH100, both GPUs' chip): 132 SMs in the
     SXM5 product, 128 FP32 cores per SM, 50 MB of L2, 1,980 MHz maximum SM clock;
-  * the CUDA C++ Programming Guide's table of compute capability 9.0: 228 KB of shared memory per SM, at
-    most 227 KB per block (48 KB without opting in), 64K 32-bit registers per SM and per block, 2,048
-    threads per SM, 1,024 per block, block dimensions (1024, 1024, 64), grid (2^31 - 1, 65535, 65535);
-  * the cuDNN version: the least that jax-cuda12-plugin 0.12.0.1 accepts (its with-cuda extra asks for
-    nvidia-cudnn-cu12>=9.10.2.21).
+  * B200: the DGX B200 user guide (docs.nvidia.com/dgx/dgxb200-user-guide: 8 B200 GPUs with 1,440 GB
+    in all, 180 GB each) and NVIDIA's Blackwell datasheet (8 TB/s of HBM3e per GPU); compute capability
+    10.0 (CUDA programming guide), 148 SMs of 128 FP32 cores, a 1,965 MHz SM clock and 132,644,864 bytes
+    (126.5 MiB) of L2 as the CUDA driver reports them on a B200 (XLA's own spec of the GPU,
+    openxla/xla xla/backends/gpu/target_config/specs/b200.txtpb);
+  * the CUDA C++ Programming Guide's tables of compute capabilities 9.0 and 10.0 (alike here): 228 KB of
+    shared memory per SM, at most 227 KB per block (48 KB without opting in), 64K 32-bit registers per
+    SM and per block, 2,048 threads per SM, 1,024 per block, block dimensions (1024, 1024, 64), grid
+    (2^31 - 1, 65535, 65535);
+  * the CUDA runtime, toolkit and cuDNN versions: those jax-cuda12-plugin 0.12.0.1 was built with
+    (jax_cuda12_plugin._versions: cuda_runtime_build_version() 12090, cudnn_build_version() 91002); a GPU
+    host reports its installed libraries', these or newer. XLA:GPU reads them: without a runtime version
+    it assumes none and gives up cuBLASLt's fp8 GEMMs (an f8 dot is converted to f16 first).
 The field names and layout follow XLA's own specs (openxla/xla, xla/backends/gpu/target_config/specs/).
 """
 
@@ -24,17 +33,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 
 import jax
 from jax.experimental import topologies
 
-from jaxpar.config import ConfigError
+from jaxpar.config import MESH_AXES, Config, ConfigError
 
 PLUGIN_MODULE = "jax_plugins.xla_cuda12"
 INSTALL = ("pip install 'jaxpar[gpu-plan]' (or: pip install --no-deps jax-cuda12-plugin==0.12.0.1 "
            "jax-cuda12-pjrt==0.12.0.1)")
-DEVICES_PER_HOST = 8  # an HGX/DGX H100 or H200 node
+DEVICES_PER_HOST = 8  # an HGX/DGX H100, H200 or B200 node
+MAX_HOSTS = 32  # the XLA:CPU plan beside it emulates every GPU as a CPU device in one process
+CUDA_RUNTIME = (12, 9, 0)
 CUDNN_VERSION = (9, 10, 2)
 
 
@@ -56,6 +68,7 @@ class GpuTarget:
     def config_text(self) -> str:
         """The GpuTargetConfigProto, in text form, that the CUDA plugin compiles for."""
         major, minor = self.compute_capability
+        runtime, dnn = ".".join(map(str, CUDA_RUNTIME)), ".".join(map(str, CUDNN_VERSION))
         return f"""gpu_device_info {{
   cuda_compute_capability {{ major: {major} minor: {minor} feature_extension: ACCELERATED_FEATURES }}
   core_count: {self.sms}
@@ -78,6 +91,9 @@ class GpuTarget:
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
+  runtime_version: "{runtime}"
+  compile_time_toolkit_version: "{runtime}"
+  dnn_version: "{dnn}"
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: {CUDNN_VERSION[0]} minor: {CUDNN_VERSION[1]} patch: {CUDNN_VERSION[2]} }}
@@ -90,14 +106,22 @@ TARGETS = {
                       source="H100 SXM5 80 GB: 3.35 TB/s HBM3 (datasheet); GH100 whitepaper"),
     "h200": GpuTarget("h200", "NVIDIA H200", 141 * 10 ** 9, 4_800 * 10 ** 9,
                       source="H200 SXM 141 GB: 4.8 TB/s HBM3e (datasheet); GH100 whitepaper"),
+    "b200": GpuTarget("b200", "NVIDIA B200", 180 * 10 ** 9, 8_000 * 10 ** 9, sms=148, clock_ghz=1.965,
+                      l2_bytes=132_644_864, compute_capability=(10, 0),
+                      source="B200 180 GB: 8 TB/s HBM3e (DGX B200 user guide, Blackwell datasheet); "
+                             "148 SMs, 126.5 MiB L2 (XLA's b200 spec)"),
 }
 
 
-def add_target_flag(parser) -> None:
-    """`plan --target NAME`."""
+def add_target_flags(parser) -> None:
+    """`plan --target NAME [--hosts N]`."""
     parser.add_argument("--target", choices=TARGETS,
-                        help="also compile the step with XLA:GPU for one host of these GPUs, here, without a GPU "
-                             "(needs jaxpar[gpu-plan]), and report its memory and collectives beside XLA:CPU's")
+                        help="also compile the step with XLA:GPU for these GPUs, here, without a GPU (needs "
+                             "jaxpar[gpu-plan]), and report its memory, collectives and GEMMs beside XLA:CPU's; "
+                             "with --search, rank the layouts on XLA:GPU's programs")
+    parser.add_argument("--hosts", type=int, default=1,
+                        help=f"with --target: compile for this many hosts of {DEVICES_PER_HOST} GPUs (default 1; "
+                             f"the XLA:CPU plan beside it emulates as many devices)")
 
 
 def use_cpu_only() -> None:
@@ -118,16 +142,52 @@ def check_plugin() -> None:
                           f"libraries): {INSTALL}.")
 
 
-def gpu_devices(name: str, count: int = DEVICES_PER_HOST) -> list:
-    """`count` abstract GPUs of target `name` on one host, to compile for (nothing can run on them)."""
+def check_hosts(hosts: int) -> None:
+    """Raise ConfigError unless `--hosts` is a count this plan can emulate."""
+    if not 1 <= hosts <= MAX_HOSTS:
+        raise ConfigError(f"--hosts must be 1 to {MAX_HOSTS} (hosts of {DEVICES_PER_HOST} GPUs; the XLA:CPU plan "
+                          f"beside it emulates each GPU), got {hosts}.")
+
+
+def devices_for(cfg: Config, hosts: int, mesh: bool = True) -> int | None:
+    """The GPUs `hosts` hosts give cfg's layout: all 8 of each of several hosts (None for one host: as many as
+    run.devices asks, 8 at most). Raises ConfigError, saying how to fix it, when run.devices or (with `mesh`;
+    a search enumerates its own) the mesh axes ask for another count."""
+    check_hosts(hosts)
+    count = hosts * DEVICES_PER_HOST
+    gpus = f"plan --target compiles for {count} GPUs ({hosts} host{'s' * (hosts > 1)} x {DEVICES_PER_HOST})"
+    if hosts > 1 and cfg.run.devices not in ("auto", count):
+        raise ConfigError(f"{gpus}, but run.devices={cfg.run.devices}; leave run.devices=auto.")
+    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    fixed = math.prod(s for s in sizes.values() if s > 0)
+    free = -1 in sizes.values()
+    if not mesh:
+        return count if hosts > 1 else None
+    if (hosts > 1 and (count % fixed if free else fixed != count)) or (hosts == 1 and not free and fixed > count):
+        named = ", ".join(f"mesh.{a}={s}" for a, s in sizes.items() if s > 1)
+        fix = (f"add --hosts {-(-fixed // DEVICES_PER_HOST)}" if hosts == 1 and fixed % DEVICES_PER_HOST == 0
+               else f"make them multiply to {count} (or set one to -1), or change --hosts")
+        raise ConfigError(f"{gpus}, but the mesh axes ({named}) multiply to {fixed}; {fix}.")
+    return count if hosts > 1 else None
+
+
+def gpu_devices(name: str, count: int = DEVICES_PER_HOST, hosts: int = 1) -> list:
+    """`count` abstract GPUs of target `name`: on one host (at most 8), or all 8 of each of `hosts` hosts
+    (each host one process, as in a multi-host run). Nothing can run on them."""
     check_plugin()
-    if not 1 <= count <= DEVICES_PER_HOST:
-        raise ConfigError(f"plan --target compiles for one host of at most {DEVICES_PER_HOST} GPUs for now, but "
-                          f"the layout needs {count}; set run.devices (or the mesh) to {DEVICES_PER_HOST} or fewer.")
+    check_hosts(hosts)
+    if hosts > 1 and count != hosts * DEVICES_PER_HOST:
+        raise ConfigError(f"--hosts {hosts} compiles for {hosts * DEVICES_PER_HOST} GPUs, but the layout asks for "
+                          f"{count}; leave run.devices=auto.")
+    if not 1 <= count <= DEVICES_PER_HOST * hosts:
+        raise ConfigError(f"one host has {DEVICES_PER_HOST} GPUs, but the layout needs {count}; add --hosts "
+                          f"{-(-count // DEVICES_PER_HOST)} (and use all of their GPUs) or set run.devices to "
+                          f"{DEVICES_PER_HOST} or fewer.")
     target = TARGETS[name]
+    per_host = count if hosts == 1 else DEVICES_PER_HOST
     try:
         topology = topologies.get_topology_desc(name, "cuda", target_config=target.config_text(),
-                                                topology=f"1x1x{count}")
+                                                topology=f"1x{hosts}x{per_host}")
     except (RuntimeError, ValueError) as e:  # jaxlib's errors are RuntimeErrors (XlaRuntimeError)
         raise ConfigError(f"the CUDA plugin could not describe {count} {target.device_kind} devices: "
                           f"{str(e).splitlines()[0]}") from e

@@ -9,6 +9,10 @@ The GPU profiles are documented constants (vendor datasheets; dense figures, no 
     (nvidia.com/en-us/data-center/h100, "H100 SXM" column; DGX H100 user guide, networking.)
   * H200 SXM 141 GB: the H100's compute and NVLink 4 with 141 GB of HBM3e at 4.8 TB/s; HGX H200 nodes have
     the same 8 GPUs and 400 Gb/s per GPU. (nvidia.com/en-us/data-center/h200.)
+  * B200 (HGX/DGX B200, 1,000 W): 2,250 TFLOP/s bf16/fp16 dense, 1,100 TF32, 180 GB of HBM3e at 8 TB/s.
+    NVLink 5 is 1.8 TB/s per GPU in both directions, 900 GB/s each way; a DGX B200 has 8 GPUs and one
+    400 Gb/s ConnectX-7 NIC per GPU. (NVIDIA HGX B200 datasheet's dense figures, half its sparse ones;
+    DGX B200 user guide.)
   * A100 SXM4 80 GB: 312 TFLOP/s bf16/fp16, 156 TF32, HBM2e at 2.04 TB/s. NVLink 3 is 600 GB/s per GPU both ways
     (300 each way); a DGX A100 has 8 GPUs and one 200 Gb/s HDR NIC per GPU (25 GB/s).
     (nvidia.com/en-us/data-center/a100, "A100 80GB SXM"; DGX A100 user guide.)
@@ -72,12 +76,14 @@ GPU_PROFILES = {
                  "NVIDIA H100 SXM5 datasheet; DGX H100 (8 GPUs, 400 Gb/s per GPU)"),
     "h200": _gpu("h200", 989, 495, 141, 4.8, 450, 50,
                  "NVIDIA H200 SXM datasheet; HGX H200 (8 GPUs, 400 Gb/s per GPU)"),
+    "b200": _gpu("b200", 2250, 1100, 180, 8.0, 900, 50,
+                 "NVIDIA HGX B200 datasheet (dense); DGX B200 (8 GPUs, 400 Gb/s per GPU)"),
     "a100": _gpu("a100", 312, 156, 80, 2.039, 300, 25,
                  "NVIDIA A100 80GB SXM4 datasheet; DGX A100 (8 GPUs, 200 Gb/s per GPU)"),
 }
 PROFILES = (*GPU_PROFILES, "cpu")
 # device_kind substrings of the GPUs that have a profile, most specific first ("H100 PCIe" has less)
-_KINDS = (("H200", "h200"), ("H100 PCIe", None), ("H100", "h100"), ("A100", "a100"))
+_KINDS = (("H200", "h200"), ("H100 PCIe", None), ("H100", "h100"), ("B200", "b200"), ("A100", "a100"))
 
 
 def for_device_kind(kind: str) -> str | None:

@@ -19,6 +19,7 @@ from jaxpar.parallel.context import blocks_per_rank
 from jaxpar.parallel.pipeline import TICK_SCOPE, branch_counts, compiled_branches
 from jaxpar.plan.collectives import bytes_by_op, collectives
 from jaxpar.plan.decode_cache import format_decode_cache
+from jaxpar.plan.gpu_gemms import kernels
 from jaxpar.plan.hlo import executed_cost, matmul_flops, parse, written_bytes
 from jaxpar.plan.transfers import host_transfers
 from jaxpar.train.offload import update_peak_bytes
@@ -56,7 +57,8 @@ PLAN_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0},
 
 def measure_step(trainer) -> dict:
     """Per-device memory by category, FLOPs, collective bytes and host transfers of one compiled train step."""
-    compiled = trainer.compile_step(PLAN_COMPILER_OPTIONS.get(trainer.mesh.devices.flat[0].platform))
+    platform = trainer.mesh.devices.flat[0].platform
+    compiled = trainer.compile_step(PLAN_COMPILER_OPTIONS.get(platform))
     stats = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}  # XLA:GPU compiled without a GPU: None
@@ -103,6 +105,7 @@ def measure_step(trainer) -> dict:
             {"op": c.op, "mesh_axes": list(c.mesh_axes), "bytes": c.bytes, "wire_bytes": c.wire_bytes,
              "count": c.count, "shapes": list(c.shapes)} for c in found],
         **_context_balance(trainer),
+        **(kernels(module) if platform == "gpu" else {}),  # how XLA:GPU compiled the matmuls: gemms, custom_calls
     }
 
 

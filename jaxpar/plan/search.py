@@ -13,8 +13,9 @@ step), so 2, 4, 8 are tried only for a layout that does not fit without. Setting
 command line (say mesh.tensor=2) are held fixed. `validation.validate` decides what is valid.
 
 Each layout is compiled (nothing is allocated) and measured by `measure_step`; the results are
-cached (`jaxpar.plan.compiled_cache`). A layout whose parameters and optimizer state alone
-exceed the budget is dropped before compiling.
+cached (`jaxpar.plan.compiled_cache`). With `plan --search --target`, the devices are a GPU target's
+and every layout is compiled by XLA:GPU (jaxpar.plan.gpu_plan), here, without a GPU. A layout whose
+parameters and optimizer state alone exceed the budget is dropped before compiling.
 """
 
 from __future__ import annotations
@@ -145,10 +146,18 @@ def enumerate_layouts(cfg: Config, n: int, fixed: dict, processes: int = 1) -> l
 _WORKER_DEVICES: list = []
 
 
-def _start_worker(cfg: Config) -> None:
-    from jaxpar.runtime.devices import setup_devices
+def _start_worker(cfg: Config, target: tuple[str, int, int] | None) -> None:
+    """A worker's devices: the CPU devices of `cfg` (emulated), or a GPU target's (name, count, hosts) to
+    compile for (jaxpar.plan.gpu_target), jax kept on the CPU."""
+    if target is None:
+        from jaxpar.runtime.devices import setup_devices
 
-    _WORKER_DEVICES.extend(setup_devices(cfg))
+        _WORKER_DEVICES.extend(setup_devices(cfg))
+    else:
+        from jaxpar.plan import gpu_target
+
+        gpu_target.use_cpu_only()
+        _WORKER_DEVICES.extend(gpu_target.gpu_devices(*target))
 
 
 def _measure_in_worker(layout: Config, budget: float) -> tuple[dict, bool]:
@@ -156,9 +165,10 @@ def _measure_in_worker(layout: Config, budget: float) -> tuple[dict, bool]:
 
 
 class _Pool:
-    """Runs `measure` in this process, or in spawned worker processes that set up the same devices."""
+    """Runs `measure` in this process, or in spawned worker processes that set up the same devices (a GPU
+    target's, see `_start_worker`)."""
 
-    def __init__(self, cfg: Config, devices: list, processes: int):
+    def __init__(self, cfg: Config, devices: list, processes: int, target: tuple[str, int, int] | None = None):
         self.devices, self.executor, self.queue = devices, None, []
         self.width = max(processes, 1)
         if processes > 1:
@@ -166,7 +176,7 @@ class _Pool:
             from concurrent.futures import ProcessPoolExecutor
 
             self.executor = ProcessPoolExecutor(processes, multiprocessing.get_context("spawn"),
-                                                initializer=_start_worker, initargs=(cfg,))
+                                                initializer=_start_worker, initargs=(cfg, target))
 
     @property
     def busy(self) -> int:
@@ -235,11 +245,13 @@ def floor_seconds(floor_flops: float, ladder: list[dict], n: int, peak: float) -
 
 
 def search(cfg: Config, devices: list, hardware: Hardware, budget: float, fixed: dict, progress: bool = True,
-           processes: int = 1, top: int | None = None) -> SearchResult:
+           processes: int = 1, top: int | None = None, target: tuple[str, int, int] | None = None) -> SearchResult:
     """Enumerate, compile (in `processes` processes) and predict every layout of `cfg` on
     `devices`; see the module docstring. With `top`, a ladder is dropped unevaluated once it
     cannot enter the `top` fastest fitting layouts (its floor, or its first rung's predicted
-    time, is no less than the top-th best found): the top rows are exact, the rest is partial."""
+    time, is no less than the top-th best found): the top rows are exact, the rest is partial.
+    `target`: the devices are a GPU target's (name, count, hosts; jaxpar.plan.gpu_target), which
+    the workers make again."""
     from tqdm import tqdm
 
     start = time.perf_counter()
@@ -254,7 +266,7 @@ def search(cfg: Config, devices: list, hardware: Hardware, budget: float, fixed:
 
     floor_flops, peak = matmul_flops_floor(cfg), hardware.peak_flops[precision.of(cfg).compute]
     floors = [floor_seconds(floor_flops, ladder, n, peak) for ladder in ladders]
-    pool = _Pool(cfg, devices, processes)
+    pool = _Pool(cfg, devices, processes, target)
     bar = tqdm(total=sum(len(ladder) for ladder in ladders), desc="plan --search", unit="layout",
                disable=not progress, file=sys.stderr)
     run = _Ladders(cfg, ladders, floors, pool, bar, budget, top)
