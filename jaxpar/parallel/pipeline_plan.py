@@ -100,8 +100,8 @@ class PipelinePlan:
 
 def _permute_layers(tree, index: np.ndarray):
     def one(v):
-        if not is_variable(v) or v.get_value() is None:  # (a frozen weight's optimizer state: none)
-            return v
+        if not is_variable(v) or not hasattr(v.get_value(), "shape"):  # (a frozen weight's optimizer state: none;
+            return v  # the place of a weight another part of the optimizer takes: optax.MaskedNode)
         value = v.get_value()
         # every leaf stacked over layers: weights, Adam moments, and Adafactor's factored statistics
         stacked = is_stacked(v) and value.ndim >= 1 and value.shape[0] == len(index)

@@ -50,7 +50,8 @@ def _must_match(config: dict) -> list[str]:
     whether there are experts, how many and where, and the router (top-k alone has a noise weight) must
     match."""
     model = [f"model.{key}" for key in config["model"] if key not in ("moe", "from_hf")]
-    return model + ["model.moe.experts", "model.moe.every", "model.moe.router", "train.optimizer", "train.seed"]
+    muon = ["train.muon_weights"] if config["train"]["optimizer"] == "muon" else []  # (Muon's state: which weights)
+    return model + ["model.moe.experts", "model.moe.every", "model.moe.router", "train.optimizer", *muon, "train.seed"]
 
 
 def _config_value(config: dict, dotted: str):

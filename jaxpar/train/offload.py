@@ -9,7 +9,8 @@ every gradient, and has no state), then the optimizer's own update in two parts:
 On the device, the update then holds the parameters and gradients, the non-stacked leaves'
 state and one layer's state at a time, instead of the whole state through forward and
 backward. A per-layer update is exact only for optimizers that treat each layer's slice as they
-treat the stacked weight: AdamW does (elementwise); Adafactor may factor a stacked norm scale
+treat the stacked weight: AdamW does (elementwise), and Muon (each layer's slice is a matrix of its
+own: jaxpar.train.muon); Adafactor may factor a stacked norm scale
 (layers x d_model) that it would not factor per layer, so `layerwise` checks the state shapes and
 otherwise the state comes over whole.
 """

@@ -1,4 +1,5 @@
-"""The optimizer: AdamW with linear warmup, cosine decay and global-norm clipping."""
+"""The optimizer: AdamW, Adafactor or Muon (jaxpar.train.muon) with linear warmup, cosine decay and
+global-norm clipping."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import optax
 
 from jaxpar.config import TrainConfig
 from jaxpar.model.axes import is_variable, logical_names
+from jaxpar.train.muon import check_muon_weights, muon_update
 from jaxpar.train.offload import layerwise
 
 
@@ -25,6 +27,9 @@ class Optimizer(NamedTuple):
 
     @classmethod
     def build(cls, t: TrainConfig, abstract_params) -> Optimizer:
+        """For the parameters `abstract_params` (shapes only): train.muon_weights is checked against them."""
+        if t.optimizer == "muon":
+            check_muon_weights(t, abstract_params)
         update = optimizer_update(t)
         return cls(make_optimizer(t, update), lr_schedule(t), update, t.clip_norm,
                    t.offloads_optimizer and layerwise(update, abstract_params))
@@ -42,8 +47,9 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
 
 def _decay_mask(params):
     # Decay matrices only; norm scales (1 dim per layer) are left alone.
-    def is_matrix(x):  # (a frozen weight's leaf is None: jaxpar.model.adapters.trainable)
-        return x.get_value() is not None and sum(n != "layers" for n in logical_names(x, x.get_value().ndim)) >= 2
+    def is_matrix(x):  # (a frozen weight's leaf is None: jaxpar.model.adapters.trainable; one Muon takes: masked)
+        value = x.get_value()
+        return hasattr(value, "ndim") and sum(n != "layers" for n in logical_names(x, value.ndim)) >= 2
 
     return jax.tree.map(lambda v: v.replace(is_matrix(v)), params, is_leaf=is_variable)
 
@@ -55,7 +61,8 @@ def make_optimizer(t: TrainConfig, update: optax.GradientTransformation | None =
 
 
 def optimizer_update(t: TrainConfig) -> optax.GradientTransformation:
-    """AdamW (b2=0.95) or Adafactor (factored second moments) on the schedule, after clipping.
+    """AdamW (b2=0.95), Adafactor (factored second moments), or Muon on the hidden matrices with
+    this AdamW on the other weights (jaxpar.train.muon), on the schedule, after clipping.
 
     Adafactor keeps row and column statistics instead of a full second moment and no first
     moment; its step is not scaled by the parameter norm, so train.lr means the same as for AdamW.
@@ -66,4 +73,5 @@ def optimizer_update(t: TrainConfig) -> optax.GradientTransformation:
         return optax.adafactor(lr_schedule(t), min_dim_size_to_factor=32, multiply_by_parameter_scale=False,
                                clipping_threshold=None,
                                weight_decay_rate=t.weight_decay or None, weight_decay_mask=_decay_mask)
-    return optax.adamw(lr_schedule(t), b1=0.9, b2=0.95, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask)
+    adamw = optax.adamw(lr_schedule(t), b1=0.9, b2=0.95, eps=1e-8, weight_decay=t.weight_decay, mask=_decay_mask)
+    return muon_update(t, lr_schedule(t), adamw) if t.optimizer == "muon" else adamw
