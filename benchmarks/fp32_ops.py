@@ -59,7 +59,8 @@ from jaxpar.session import on_devices  # noqa: E402
 from jaxpar.train.trainer import Trainer  # noqa: E402
 
 # Frames that only route an op (the einsum helpers, the layout's matmul hooks): looked through.
-PLUMBING = ("jaxpar/model/axes.py", "jaxpar/model/matmul.py", "jaxpar/train/remat.py")
+PLUMBING = ("jaxpar/model/axes.py", "jaxpar/model/matmul.py", "jaxpar/model/fp8.py", "jaxpar/train/remat.py",
+            "jaxpar/parallel/sequence_matmul.py")
 PLUMBING_FUNCTIONS = ("column_parallel", "row_parallel", "fp32_einsum", "_over_tensor", "_sequence_matmul")
 # (category, file suffix, function name prefixes or None for any)
 CATEGORIES = (

@@ -7,9 +7,11 @@ A session that is lent a GPU runs this once, in a few minutes. Rows, each in a c
 its own (so that each row's peak memory is its own):
   * configs/gpu_300m.yaml: batch 16 x 1024 tokens;
   * configs/llama3_2_1b.yaml (Llama-3.2-1B's shape): batch 4 x 4096 tokens, full remat;
-in each precision jaxpar has for GPUs (bf16 now; fp8 joins this list when train.precision=fp8 lands),
-all on one device. Per row: the compile seconds, the median of the timed steps, tokens/s and MFU
-against the GPU's datasheet peak (jaxpar.train.model_flops.utilization), and the device's peak bytes
+in each precision jaxpar has for GPUs (bf16, and fp8: e4m3/e5m2 GEMMs in the blocks), all on one
+device. MFU is against the datasheet's dense bf16 peak in both (the fp8 row's model FLOPs are the same;
+its gain shows as a higher MFU against that peak, as torchtitan reports it). Per row: the compile
+seconds, the median of the timed steps, tokens/s and MFU against the GPU's datasheet peak
+(jaxpar.train.model_flops.utilization), and the device's peak bytes
 in use after the steps against the compiled step's own figure (memory_analysis(): arguments +
 outputs - aliases + temporaries).
 
@@ -40,7 +42,7 @@ MODELS = {  # name: the preset and the one-device batch
     "gpu_300m": ["configs/gpu_300m.yaml", "train.batch_size=16"],
     "llama3.2-1b shape": ["configs/llama3_2_1b.yaml", "train.batch_size=4"],
 }
-PRECISIONS = ("bf16",)  # jaxpar's GPU compute precisions
+PRECISIONS = ("bf16", "fp8")  # jaxpar's GPU training precisions
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
         "model.seq_len=64", "model.vocab_size=512", "train.batch_size=4"]
 VERIFY = ["configs/gpu_300m.yaml", "model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=1024",

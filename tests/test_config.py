@@ -30,7 +30,7 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize("override, message", [
     ("model.d_modle=3", "did you mean 'model.d_model'"),
     ("train.steps=abc", "train.steps expects an integer"),
-    ("train.precision=fp8", "train.precision must be one of fp32, bf16"),
+    ("train.precision=fp4", "train.precision must be one of fp32, bf16"),
     ("train.lr=fast", "train.lr expects a number"),
     ("nonsense", "neither a .yaml file nor a key=value"),
 ])

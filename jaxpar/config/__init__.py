@@ -59,7 +59,7 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 3e-3
     warmup: int = 20
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     seed: int = 0
     log_every: int = 10
     weight_decay: float = 0.1
@@ -67,9 +67,13 @@ class TrainConfig:
     eval_batches: int = 8
     eval_every: int = 0  # a validation loss every N steps as well (`val_loss` in its metrics line); 0: at the end only
     sample_tokens: int = 160  # greedy sample at the end of a run; 0 writes none
-    optimizer: Literal["adamw", "adafactor"] = "adamw"
+    optimizer: Literal["adamw", "adafactor", "muon"] = "adamw"
+    # muon: the hidden matrices it takes, `all` or a comma list of weight names or path ends (w_qkv, mlp/w_down)
+    muon_weights: str = "all"
     remat: Literal["none", "dots", "full", "sqrt"] = "none"  # in the order of what each recomputes
     loss_scale_window: int = 2000
+    # auto: the precision policy's own (dynamic loss scaling for fp16 only); dynamic: forced (bf16 and fp16)
+    loss_scaling: Literal["auto", "dynamic"] = "auto"
     lr_schedule_steps: int = 0  # horizon of the warmup+cosine schedule; 0 means train.steps
     on_nonfinite: Literal["stop", "skip"] = "stop"
     # pinned host memory for the optimizer state (brought to the device for the update), full remat's layer inputs

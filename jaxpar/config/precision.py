@@ -1,5 +1,5 @@
-"""The precision policy: every dtype decision of a run, resolved once from `train.precision` and
-`parallel.grad_reduce_dtype`. Nothing else in jaxpar asks which precision a run is in; it asks
+"""The precision policy: every dtype decision of a run, resolved once from `train.precision`,
+`parallel.grad_reduce_dtype` and `train.loss_scaling`. Nothing else in jaxpar asks which precision a run is in; it asks
 the policy what to do.
 
 A policy names the dtype of each role, after Levanter's jmp-style policies:
@@ -9,14 +9,17 @@ A policy names the dtype of each role, after Levanter's jmp-style policies:
 - output_grad: the gradient of those fp32 matmul results (logits, attention scores) as it re-enters
   their matmuls' backward: the compute dtype (jaxpar.model.matmul), so that those matmuls run like
   every other one of the step instead of in fp32; the softmax and loss around them stay fp32;
-- grad_reduce: the payload of the data-parallel gradient reductions (summed into fp32 either way).
+- grad_reduce: the payload of the data-parallel gradient reductions (summed into fp32 either way);
+- gemm: how the blocks' weight matmuls run (jaxpar.model.fp8): `compute` (in the compute dtype), or `fp8`
+  (e4m3 weights and activations, e5m2 gradients, each tensor with its own power-of-two scale).
 With it come the loss scaling fp16 needs (its smallest normal value is 6e-5, so small gradients
 would underflow: the loss is scaled up before differentiation and the gradients down after, and
-a non-finite gradient halves the scale and skips the step), and verify's tolerances.
+a non-finite gradient halves the scale and skips the step; train.loss_scaling=dynamic asks for it in
+bf16 too), verify's tolerances, and the precision verify's one-device reference runs in.
 
 Pure Python, like jaxpar.config: validation reads a policy before jax starts. The dtypes
-themselves come from jax.numpy when first asked for. A new precision (fp8, say) is one entry
-in POLICIES.
+themselves come from jax.numpy when first asked for. A new precision is one entry in POLICIES
+(fp8 is: bf16 with the blocks' GEMMs in fp8).
 """
 
 from __future__ import annotations
@@ -36,6 +39,21 @@ HALF_FROM_ZERO_TOLERANCE = 5e-2
 # 6e-5). bf16 or fp16 activations round every layer's input, and the router's logits move by about 1e-2:
 # sixteen of bf16's steps (measured: up to 2.1e-2, Expert Choice through 1F1B).
 FP32_TIE_TOLERANCE, REDUCED_GRAD_TIE_TOLERANCE, HALF_TIE_TOLERANCE = 2.0 ** -19, 2.0 ** -7, 2.0 ** -4
+# fp8 against its one-device fp8 reference, which quantizes the same GEMMs. A value whose bf16 input differs
+# from the reference's by an ulp (sums in another order) can round to the other e4m3 neighbour (2^-3 apart, 32
+# bf16 ulps): about 1 in 32 such values moves by a whole e4m3 step, so a GEMM's output differs by some sqrt(1/32)
+# e4m3 steps, about 5x bf16's own difference, and Adam turns small gradients' differences into whole updates.
+# Measured on 3 steps of the small model over 21 layouts (data, tensor, sequence, context, ZeRO 1-3,
+# accumulation, remat, 1F1B, ZB-H1, 2BW, local SGD, LoRA, MLA; top-k, Switch, Expert Choice and dropless experts
+# under expert parallelism): loss up to 2.4e-4, weights up to 9.2e-3 (dropless over data=2 x tensor=2 x
+# expert=2). The same layout against bf16 GEMMs on one device: 1.5e-2 after 3 steps, 3.3e-2 after 10, where
+# against its fp8 reference it stays at 1.2e-2.
+FP8_TOLERANCES = (5e-4, 1.5e-2)
+# weights that start at zero: up to 0.12 (LoRA's B, data=4 x tensor=2; top-k's noise weights: 0.10)
+FP8_FROM_ZERO_TOLERANCE = 0.2
+# router scores move with activations that went through fp8 GEMMs: two of e4m3's steps (2^-3 each; measured:
+# up to 0.172, Switch through 1F1B; 0.07 on the first step, before any weight differs)
+FP8_TIE_TOLERANCE = 2.0 ** -2
 INITIAL_FP16_SCALE = 2.0 ** 15
 DTYPE_OF = {"fp32": FP32, "bf16": BF16, "fp16": FP16}  # the config's spellings
 
@@ -57,10 +75,18 @@ class PrecisionPolicy:
     tolerances: tuple[float, float] = FP32_TOLERANCES
     from_zero_tolerance: float = FP32_TOLERANCES[1]
     tie_tolerance: float = FP32_TIE_TOLERANCE
+    gemm: str = "compute"  # jaxpar.model.fp8.GEMMS: `compute`, or `fp8`
+    reference: str = "fp32"  # the train.precision of verify's one-device reference
+
+    @property
+    def scales_gradients_per_tensor(self) -> bool:
+        """Whether the GEMMs quantize every gradient into their own format by its own scale (fp8's e5m2):
+        a loss scale has no underflow left to rescue."""
+        return self.gemm != "compute"
 
     @property
     def reduced(self) -> bool:
-        """Whether the matmuls run below fp32 (bf16 or fp16)."""
+        """Whether the matmuls run below fp32 (bf16, fp16, and fp8's bf16 around its fp8 GEMMs)."""
         return self.compute != FP32
 
     def dtype(self, role: str):
@@ -111,13 +137,21 @@ POLICIES = {
     "fp16": PrecisionPolicy("fp16", FP16, output_grad=FP16, loss_scaling=True, initial_loss_scale=INITIAL_FP16_SCALE,
                             tolerances=HALF_TOLERANCES, from_zero_tolerance=HALF_FROM_ZERO_TOLERANCE,
                             tie_tolerance=HALF_TIE_TOLERANCE),
+    # bf16 with the blocks' GEMMs in fp8; verify's reference quantizes the same GEMMs on one device
+    "fp8": PrecisionPolicy("fp8", BF16, output_grad=BF16, gemm="fp8", reference="fp8", tolerances=FP8_TOLERANCES,
+                           from_zero_tolerance=FP8_FROM_ZERO_TOLERANCE, tie_tolerance=FP8_TIE_TOLERANCE),
 }
 
 
-def policy(precision: str, grad_reduce: str = "fp32", loss_scale_window: int = 2000) -> PrecisionPolicy:
+def policy(precision: str, grad_reduce: str = "fp32", loss_scale_window: int = 2000,
+           loss_scaling: str = "auto") -> PrecisionPolicy:
     """The policy of train.precision=`precision` with parallel.grad_reduce_dtype=`grad_reduce`: a bf16
-    reduction makes an fp32 run's gradients bf16-rounded, so verify judges it at bf16's tolerances."""
+    reduction makes an fp32 run's gradients bf16-rounded, so verify judges it at bf16's tolerances.
+    loss_scaling (train.loss_scaling): `auto`, the policy's own (dynamic for fp16 only); `dynamic`, dynamic
+    loss scaling whatever the policy (jaxpar.features.precision allows it for bf16 and fp16)."""
     base = POLICIES[precision]
+    if loss_scaling == "dynamic" and not base.loss_scaling:
+        base = dataclasses.replace(base, loss_scaling=True, initial_loss_scale=INITIAL_FP16_SCALE)
     reduce = DTYPE_OF[grad_reduce]
     if reduce == FP32 or base.reduced:
         return dataclasses.replace(base, grad_reduce=reduce, loss_scale_window=loss_scale_window)
@@ -128,4 +162,5 @@ def policy(precision: str, grad_reduce: str = "fp32", loss_scale_window: int = 2
 
 def of(cfg) -> PrecisionPolicy:
     """The policy of a Config."""
-    return policy(cfg.train.precision, cfg.parallel.grad_reduce_dtype, cfg.train.loss_scale_window)
+    return policy(cfg.train.precision, cfg.parallel.grad_reduce_dtype, cfg.train.loss_scale_window,
+                  cfg.train.loss_scaling)

@@ -96,9 +96,11 @@ def layout_name(cfg: Config, sizes: dict) -> str:
     return " ".join([" ".join(mesh) or "single device", *rest])
 
 
-def reference_overrides() -> dict:
-    """What verify's one-device reference sets: every row that does not keep its value."""
-    return {s.key: s.reference for s in SWITCHES if s.reference != KEEP}
+def reference_overrides(cfg: Config) -> dict:
+    """What verify's one-device reference of `cfg` sets: every row that does not keep its value (a row whose
+    reference is a function: that of the layout's value)."""
+    return {s.key: s.reference(value_of(cfg, s.key, {})) if callable(s.reference) else s.reference
+            for s in SWITCHES if s.reference != KEEP}
 
 
 def not_with_local_sgd(cfg: Config, sizes: dict) -> list[str]:

@@ -30,7 +30,7 @@ Checks = Iterator[str]  # a feature's checks: one sentence for each thing the co
 class Switch:
     key: str  # the dotted config key
     label: Label
-    reference: object = KEEP  # what verify's one-device reference sets it to, or KEEP
+    reference: object = KEEP  # what verify's one-device reference sets it to, KEEP, or a function of the value
     searched: bool = False  # jaxpar plan --search enumerates it
     with_local_sgd: bool = True  # it may differ from its default under local SGD (parallel.sync_every > 1)
 

@@ -85,8 +85,9 @@ def _two_bw_checks(cfg: Config) -> Checks:
     step's gradient is judged (loss scaling), a step runs two versions of the weights (ZeRO-2's layers
     look one up whole), and the weights trail the batches by a step (GRPO samples each batch from them)."""
     if precision.of(cfg).loss_scaling:
-        yield (f"2bw starts each step's microbatches before the previous step's gradient is checked, so "
-               f"train.precision={cfg.train.precision}'s loss scale cannot follow it; use bf16 or another schedule.")
+        yield (f"2bw starts each step's microbatches before the previous step's gradient is checked, so the dynamic "
+               f"loss scale of train.precision={cfg.train.precision} (train.loss_scaling={cfg.train.loss_scaling}) "
+               f"cannot follow it; use bf16 with train.loss_scaling=auto, or another schedule.")
     if ZeroStage(cfg.parallel.zero).slices_replicated_weights:
         yield ("parallel.zero=2 has each layer read the whole of one version of the weights, but a 2bw step runs "
                "two; use parallel.zero=1 or 3.")

@@ -1,7 +1,7 @@
 """The training loop's numbers (train.*), gradient accumulation (train.grad_accum), rematerialization
-of the layers' activations (train.remat), the optimizer (train.optimizer), and the logits and loss
-in chunks of the sequence (train.loss_chunks: which counts it may take, and the one it takes when
-set to 0).
+of the layers' activations (train.remat), the optimizer (train.optimizer, and Muon's train.muon_weights),
+and the logits and loss in chunks of the sequence (train.loss_chunks: which counts it may take, and the
+one it takes when set to 0).
 
 The automatic chunk count follows Liger-Kernel's fused linear cross-entropy: about V / D chunks, so
 that one chunk's logits (V columns a token) are no larger than the hidden states they come from
@@ -41,6 +41,7 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
     if t.lr_schedule_steps < 0:
         yield f"train.lr_schedule_steps must be 0 (follow train.steps) or positive, got {t.lr_schedule_steps}."
     yield from _objective(cfg)
+    yield from _muon(cfg)
     chunks, seq_len, split = t.loss_chunks, cfg.model.seq_len, sequence_split(cfg, sizes)
     if chunks < 0 or (chunks and not fits(chunks, seq_len, split)):
         tensor = f" into chunks divisible by mesh.tensor={split} (sequence parallelism)" if split > 1 else ""
@@ -55,6 +56,19 @@ def _objective(cfg: Config) -> Checks:
                "model.lora.rank > 0 (a reference pass stored beside the tokens is not built yet).")
     if t.objective != "sft" and t.preference.beta <= 0:
         yield f"train.preference.beta must be positive, got {t.preference.beta}."
+
+
+def _muon(cfg: Config) -> Checks:
+    """train.optimizer=muon's settings; which weights it may take is checked on the model's shapes, before
+    compiling (jaxpar.train.muon.check_muon_weights)."""
+    t = cfg.train
+    if t.muon_weights != "all" and t.optimizer != "muon":
+        yield f"train.muon_weights picks Muon's matrices, so it needs train.optimizer=muon (got {t.optimizer})."
+    if not any(entry.strip() for entry in t.muon_weights.split(",")):
+        yield "train.muon_weights names no weight; give all, or a comma list of weight names such as w_qkv,wo."
+    if t.optimizer == "muon" and cfg.model.lora.enabled:
+        yield ("train.optimizer=muon orthogonalises whole weight matrices, and model.lora trains low-rank adapters "
+               "instead; use train.optimizer=adamw with model.lora.")
 
 
 def fits(chunks: int, seq_len: int, sequence_split: int) -> bool:

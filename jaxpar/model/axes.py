@@ -10,8 +10,10 @@ While a step is traced, a parallel layout acts inside the model through hooks
 `expert_all_to_all` moves each expert's tokens to the device holding the expert (dropless routing:
 `expert_gather`, or the ragged all-to-all of `expert_exchange`), and
 `column_parallel` / `row_parallel` run the matmuls into and out of a tensor-parallel region
-(under sequence parallelism they all-gather the sequence before, and reduce-scatter it after).
-They do nothing beyond the plain einsum unless a layout installs its hooks with `layout_hooks`.
+(under sequence parallelism they all-gather the sequence before, and reduce-scatter it after), and
+they and the experts' matmuls (`gemm`) run as the precision policy's GEMM (fp8: jaxpar.model.fp8).
+They do nothing beyond the plain einsum unless a layout installs its hooks with `layout_hooks`: the
+step, evaluation and generation always do, so every one of them multiplies as the policy says.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "mlp", "heads", "kv_hea
 class ModelHooks(Protocol):
     """What a parallel layout provides to the model while a step is traced."""
 
+    @property
+    def gemm(self) -> Gemm: ...
+
     def constrain(self, x: jax.Array, names: tuple) -> jax.Array: ...
 
     def expert_all_to_all(self, x_EGCD: jax.Array, inverse: bool) -> jax.Array: ...
@@ -52,6 +57,28 @@ class ModelHooks(Protocol):
     def context_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array | None,
                           blocks: tuple[int, int], options: ScoreOptions | None = None,
                           sinks: jax.Array | None = None) -> jax.Array | None: ...
+
+
+class Gemm(Protocol):
+    """How the blocks' weight matmuls run: `einsum` (out_dtype None: the operands' result type) and the
+    dropless experts' `ragged_dot`. PLAIN here; fp8 in jaxpar.model.fp8."""
+
+    def einsum(self, equation: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array: ...
+
+    def ragged_dot(self, x_MK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array) -> jax.Array: ...
+
+
+class _PlainGemm:
+    """In the operands' dtype (the compute dtype)."""
+
+    def einsum(self, equation: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+        return jax.numpy.einsum(equation, x, w, preferred_element_type=out_dtype)
+
+    def ragged_dot(self, x_MK: jax.Array, w_GKN: jax.Array, sizes_G: jax.Array) -> jax.Array:
+        return jax.lax.ragged_dot(x_MK, w_GKN, sizes_G)
+
+
+PLAIN: Gemm = _PlainGemm()
 
 
 class ExpertExchange(Protocol):
@@ -157,10 +184,18 @@ def expert_exchange() -> ExpertExchange | None:
     return None if hooks is None else hooks.expert_exchange()
 
 
+def gemm() -> Gemm:
+    """How a block's weight matmuls run (the experts' too): the layout's precision policy's GEMM (fp8 or
+    the compute dtype's, jaxpar.model.fp8); without a layout, plain."""
+    hooks = _hooks.get()
+    return PLAIN if hooks is None else hooks.gemm
+
+
 def column_parallel(equation: str, x: jax.Array, weight: nnx.Variable, x_names: tuple, out_names: tuple,
                     out_dtype=None) -> jax.Array:
     """einsum(equation, x, weight) for a weight split by output columns over tensor ranks (Q/K/V,
-    MLP up, logits); x is the residual stream, named `x_names`, the result `out_names`."""
+    MLP up, logits); x is the residual stream, named `x_names`, the result `out_names`. A block's
+    (out_dtype None) runs as the layout's `gemm`; the logits' wider result never in fp8."""
     w = weight[...]
     hooks = _hooks.get()
     if hooks is None:
@@ -171,7 +206,8 @@ def column_parallel(equation: str, x: jax.Array, weight: nnx.Variable, x_names: 
 
 def row_parallel(equation: str, h: jax.Array, weight: nnx.Variable, h_names: tuple, out_names: tuple) -> jax.Array:
     """einsum(equation, h, weight) for a weight split by input rows over tensor ranks (attention
-    output, MLP down): the partial sums of every rank are added into the residual stream."""
+    output, MLP down), as the layout's `gemm`: the partial sums of every rank are added into the
+    residual stream."""
     w = weight[...]
     hooks = _hooks.get()
     if hooks is None:

@@ -1,11 +1,12 @@
 """Dropless experts: every token's k assignments computed, none dropped and no capacity padded.
 
 The assignments are sorted by expert, each expert's contiguous rows go through its weights with
-one grouped matmul (`jax.lax.ragged_dot`), and the results are put back in token order and
-weighted by the gates. Under expert parallelism every device sees the tokens of all `expert`
-shards (an all-gather), computes the assignments to the experts it holds, and the shards' partial
-outputs are summed back to the tokens' own devices (a reduce-scatter): every buffer has a size
-fixed by the shapes (all tokens x k rows), so no token is ever dropped for lack of room.
+one grouped matmul (`jax.lax.ragged_dot`, or its fp8 form: jaxpar.model.axes.gemm), and the
+results are put back in token order and weighted by the gates. Under expert parallelism every
+device sees the tokens of all `expert` shards (an all-gather), computes the assignments to the
+experts it holds, and the shards' partial outputs are summed back to the tokens' own devices (a
+reduce-scatter): every buffer has a size fixed by the shapes (all tokens x k rows), so no token is
+ever dropped for lack of room.
 
 With parallel.expert_dispatch=ragged (`ragged_dropless_experts`) each device sends each expert device
 only the assignments routed there, by ragged all-to-all, and gets their results back the same way:
@@ -24,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpar.model.axes import ExpertExchange
+from jaxpar.model.axes import ExpertExchange, gemm
 
 
 def dropless_experts(x_TD: jax.Array, experts_TK: jax.Array, gates_TK: jax.Array, hidden, w_down_EFD: jax.Array,
@@ -114,6 +115,7 @@ def per_row(b_EX: jax.Array, sizes_E: jax.Array, rows: int) -> jax.Array:
 
 
 def down(h_AF: jax.Array, w_down_EFD: jax.Array, sizes_E: jax.Array, b_down_ED: jax.Array | None) -> jax.Array:
-    """The experts' down projection of rows sorted by expert, with each expert's bias where it has one."""
-    y_AD = jax.lax.ragged_dot(h_AF, w_down_EFD, sizes_E)
+    """The experts' down projection of rows sorted by expert (as the layout's GEMM runs it: fp8 for
+    train.precision=fp8), with each expert's bias where it has one."""
+    y_AD = gemm().ragged_dot(h_AF, w_down_EFD, sizes_E)
     return y_AD if b_down_ED is None else y_AD + per_row(b_down_ED, sizes_E, h_AF.shape[0]).astype(y_AD.dtype)

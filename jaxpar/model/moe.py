@@ -25,6 +25,7 @@ from jaxpar.model.axes import (
     expert_exchange,
     expert_gather,
     expert_shard,
+    gemm,
     param,
     zeros_param,
 )
@@ -111,9 +112,10 @@ class MoE(nnx.Module):
         dtype = x_BLD.dtype
         x_EGCD = jnp.einsum("GNEC,GND->EGCD", dispatch.astype(dtype), x_GND)
         x_EGCD = expert_all_to_all(x_EGCD, inverse=False)  # local experts, every shard's groups
-        h_EGCF = self._hidden(lambda w_EDF: jnp.einsum("EGCD,EDF->EGCF", x_EGCD, w_EDF),
+        matmul = gemm()  # the experts' matmuls as the precision policy runs them (fp8: jaxpar.model.fp8)
+        h_EGCF = self._hidden(lambda w_EDF: matmul.einsum("EGCD,EDF->EGCF", x_EGCD, w_EDF),
                               lambda b_EF: b_EF[:, None, None])
-        y_EGCD = jnp.einsum("EGCF,EFD->EGCD", h_EGCF, adapted(self.w_down, self.lora_down)[...])
+        y_EGCD = matmul.einsum("EGCF,EFD->EGCD", h_EGCF, adapted(self.w_down, self.lora_down)[...])
         y_EGCD = expert_all_to_all(y_EGCD, inverse=True)  # back to the shard that owns the groups
         y_GND = jnp.einsum("GNEC,EGCD->GND", combine.astype(dtype), y_EGCD)
         if self.b_down is not None:  # each chosen expert's down bias, weighted by its gate
@@ -136,7 +138,7 @@ class MoE(nnx.Module):
         b_down = None if self.b_down is None else self.b_down[...]
 
         def hidden(x_AD, sizes_E):
-            return self._hidden(lambda w_EDF: jax.lax.ragged_dot(x_AD, w_EDF, sizes_E),
+            return self._hidden(lambda w_EDF: gemm().ragged_dot(x_AD, w_EDF, sizes_E),
                                 lambda b_EF: per_row(b_EF, sizes_E, x_AD.shape[0]))
 
         exchange = expert_exchange()

@@ -12,15 +12,16 @@ Two implementations, both complete:
   by hand. ZeRO-3 all-gathers the shard (its VJP reduce-scatters); ZeRO-2 holds the full replicated
   weight, differentiates this device's slice, and a custom VJP gives it its reduce-scattered gradient.
 
-Both run attention across mesh.context (jaxpar.parallel.context) and the column- and row-parallel matmuls:
-under sequence parallelism, outside any manual shard_map, each a shard_map over tensor and the batch axes
-with its collective by hand (all-gather before, reduce-scatter after) and a custom VJP; inside a
-pipeline or expert shard_map the residual stream's constraints leave them to XLA.
+Both run attention across mesh.context (jaxpar.parallel.context) and the column- and row-parallel matmuls,
+as the precision policy's GEMM runs them (`gemm`: in fp8 for train.precision=fp8, jaxpar.model.fp8, here
+in the step, in evaluation and in generation alike): under sequence parallelism, outside any manual
+shard_map, each a shard_map over tensor and the batch axes with its collective by hand
+(jaxpar.parallel.sequence_matmul); inside a pipeline or expert shard_map the residual stream's constraints
+leave them to XLA.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -28,12 +29,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.model.axes import is_variable, path_names
+from jaxpar.model.axes import PLAIN, Gemm, is_variable, path_names
 from jaxpar.model.matmul import wide_einsum
 from jaxpar.parallel import context, ragged
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.reductions import moved_as_bits, rows_gathered, rows_summed, scattered
 from jaxpar.parallel.rules import logical_to_spec
+from jaxpar.parallel.sequence_matmul import sequence_matmul
 from jaxpar.parallel.zero import without_axes
 
 # Primitives that expand a weight shard to the full weight (ZeRO-3 gathers, ZeRO-2 slices its
@@ -82,11 +84,19 @@ class _Hooks:
         return ragged.over_experts(self.layout) if self.in_step and "expert" in self.layout.manual else None
 
     # ---- the matmuls into and out of a tensor-parallel region -----------------------------
+    @property
+    def gemm(self) -> Gemm:
+        """The blocks' weight matmuls: the precision policy's (jaxpar.model.fp8)."""
+        return self.layout.gemm
+
     def column_parallel(self, equation, x, w, names, out_dtype=None):
-        """A column-split matmul (a wider out_dtype's gradient back in the layout's output_grad_dtype:
-        jaxpar.model.matmul). Under sequence parallelism the residual stream x arrives split along the
-        sequence and is all-gathered first (its gradient reduce-scattered back)."""
+        """A column-split matmul: a block's as the layout's GEMM runs it, the logits' (a wider out_dtype)
+        with their gradient back in the layout's output_grad_dtype (jaxpar.model.matmul). Under sequence
+        parallelism the residual stream x arrives split along the sequence and is all-gathered first (its
+        gradient reduce-scattered back)."""
         if not self._sequence_by_hand():
+            if out_dtype is None:
+                return self.gemm.einsum(equation, x, w)
             return wide_einsum(equation, x, w, out_dtype, self.layout.output_grad_dtype)
         return self._over_tensor(equation, x, w, names, out_dtype, scatter=False)
 
@@ -102,7 +112,7 @@ class _Hooks:
         """A row-split matmul. Under sequence parallelism its partial sums are reduce-scattered
         along the sequence (in place of the all-reduce), in fp32."""
         if not self._sequence_by_hand():
-            return jnp.einsum(equation, h, w)
+            return self.gemm.einsum(equation, h, w)
         return self._over_tensor(equation, h, w, names, None, scatter=True)
 
     def _sequence_by_hand(self) -> bool:
@@ -119,16 +129,10 @@ class _Hooks:
 
     def _over_tensor(self, equation, x, w, names, out_dtype, scatter: bool):
         """The matmul written per tensor rank in a shard_map (manual over tensor and the batch
-        axes), with the sequence collective by hand: XLA's CPU partitioner lowers a constrained
-        reduction as all-reduce + slice, never as the reduce-scatter Megatron's sequence
-        parallelism is made of."""
-        data = tuple(self.layout.data_axes)
-        others = tuple(a for a in self.layout.sizes if a not in (*data, "tensor"))
-        x_spec, w_spec, out_spec = (without_axes(logical_to_spec(n, self.layout.rules), others) for n in names)
-        seq_dim = (names[2] if scatter else names[0]).index("residual_seq")
-        op = _SequenceMatmul(equation, self.layout.mesh, data, x_spec, w_spec, out_spec, seq_dim, scatter, out_dtype)
-        out = _sequence_matmul(op, x, w)
-        return out.astype(x.dtype) if scatter else out
+        axes), with the sequence collective by hand (jaxpar.parallel.sequence_matmul); the logits
+        (a wider out_dtype) never in fp8."""
+        gemm = self.gemm if out_dtype is None or scatter else PLAIN
+        return sequence_matmul(self.layout, gemm, equation, x, w, names, out_dtype, scatter)
 
 
 class PartitionerHooks(_Hooks):
@@ -313,85 +317,6 @@ def _gathered_bwd(dtype, dim, axes, payload, like, grad):
 _gathered_in.defvjp(_gathered_fwd, _gathered_bwd)
 
 
-@dataclasses.dataclass(frozen=True)
-class _SequenceMatmul:
-    """One sequence-parallel matmul: `equation` on x and a tensor-split weight w, per rank.
-    Column (scatter=False): x arrives split along the sequence (dimension seq_dim) and is
-    all-gathered first. Row (scatter=True): the partial sums are reduce-scattered along it, in fp32."""
-
-    equation: str
-    mesh: jax.sharding.Mesh
-    data: tuple[str, ...]  # the batch axes (size > 1), manual here too
-    x_spec: PartitionSpec
-    w_spec: PartitionSpec
-    out_spec: PartitionSpec
-    seq_dim: int
-    scatter: bool
-    out_dtype: object
-
-    def per_rank(self, fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             axis_names={*self.data, "tensor"}, check_vma=False)
-
-    def gather(self, x):
-        return jax.lax.all_gather(x, "tensor", axis=self.seq_dim, tiled=True)
-
-    @property
-    def input_spec(self) -> PartitionSpec:
-        """The spec of what the matmul multiplies with: the column form's gathered (whole-sequence)
-        input, the row form's own."""
-        return self.x_spec if self.scatter else _without_dim(self.x_spec, self.seq_dim)
-
-    def scatter_sum(self, x):
-        return jax.lax.psum_scatter(x.astype(jnp.float32), "tensor", scatter_dimension=self.seq_dim, tiled=True)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sequence_matmul(op: _SequenceMatmul, x, w):
-    """A sequence-parallel matmul (the row form returns fp32 sums)."""
-    return _sequence_matmul_fwd(op, x, w)[0]
-
-
-def _sequence_matmul_fwd(op, x, w):
-    """Forward; keeps what backward multiplies with: the column form's gathered input (so
-    backward needs no second all-gather and moves the bytes of the all-reduces it replaces; a
-    remat policy that drops a layer's residuals recomputes it), the row form's own input."""
-    def forward(x, w):
-        if op.scatter:
-            return op.scatter_sum(jnp.einsum(op.equation, x, w, preferred_element_type=jnp.float32)), x
-        x_in = op.gather(x)
-        return jnp.einsum(op.equation, x_in, w, preferred_element_type=op.out_dtype), x_in
-
-    out, x_in = op.per_rank(forward, (op.x_spec, op.w_spec), (op.out_spec, op.input_spec))(x, w)
-    return out, (x_in, w)
-
-
-def _sequence_matmul_bwd(op, residuals, grad):
-    """Backward by hand, in the compute dtype with fp32 sums: the column form reduce-scatters dx,
-    the row form all-gathers the incoming gradient. Each batch shard's partial weight gradient
-    is returned on a leading axis and summed in fp32 outside, where the partitioner reduces it
-    like any other weight gradient (a bf16 sum inside would abort XLA:CPU)."""
-    x_in, w = residuals
-
-    def backward(x_in, w, grad):
-        grad = grad.astype(x_in.dtype)
-        grad_in = op.gather(grad) if op.scatter else grad
-        _, pullback = jax.vjp(lambda a, b: jnp.einsum(op.equation, a, b), x_in, w)
-        dx_in, dw = pullback(grad_in)
-        dx = dx_in if op.scatter else op.scatter_sum(dx_in).astype(x_in.dtype)
-        return dx, dw[None].astype(jnp.float32)
-
-    dw_spec = PartitionSpec(op.data or None, *op.w_spec)
-    dx, dw_parts = op.per_rank(backward, (op.input_spec, op.w_spec, op.out_spec), (op.x_spec, dw_spec))(x_in, w, grad)
-    return dx, dw_parts.sum(0).astype(w.dtype)
-
-
-def _without_dim(spec: PartitionSpec, dim: int) -> PartitionSpec:
-    """`spec` with dimension `dim` whole (the sequence after the all-gather)."""
-    return PartitionSpec(*(None if i == dim else e for i, e in enumerate(spec)))
-
-
-_sequence_matmul.defvjp(_sequence_matmul_fwd, _sequence_matmul_bwd)
 
 
 def eval_hooks(layout: Layout) -> PartitionerHooks:

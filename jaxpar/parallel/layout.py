@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.config.parallel import ParallelConfig
 from jaxpar.config.precision import POLICIES, PrecisionPolicy
 from jaxpar.features.data import ZeroStage
-from jaxpar.model.axes import constrain, is_stacked, is_variable, logical_names, path_names
+from jaxpar.model.axes import Gemm, constrain, is_stacked, is_variable, logical_names, path_names
+from jaxpar.model.fp8 import GEMMS
 from jaxpar.parallel.rules import RULES, axis_names, data_parallel_axes, logical_to_spec
 from jaxpar.parallel.zero import zero_dim, zero_spec
 
@@ -125,6 +126,12 @@ class Layout:
         return self.precision.grad_reduce_dtype
 
     @property
+    def gemm(self) -> Gemm:
+        """How the blocks' weight matmuls run, in the step, evaluation and generation alike: the precision
+        policy's `gemm` (jaxpar.model.fp8)."""
+        return GEMMS[self.precision.gemm]
+
+    @property
     def output_grad_dtype(self):
         """The fp32 logits' and scores' gradient entering their matmuls' backward."""
         return self.precision.dtype("output_grad")
@@ -165,8 +172,8 @@ class Layout:
     def _specs(self, tree, zero: bool):
         def one(x):
             if is_variable(x):
-                if x.get_value() is None:  # a frozen weight's place in the optimizer state (model.lora)
-                    return x
+                if not hasattr(x.get_value(), "shape"):  # a frozen weight's place in the optimizer state (model.lora),
+                    return x  # or a weight's where another part of it takes that weight (Muon: optax.MaskedNode)
                 shape = x.get_value().shape
                 return x.replace(self.spec(logical_names(x, len(shape)), shape, zero))
             return self.spec((None,) * len(x.shape), x.shape, zero) if getattr(x, "ndim", 0) else PartitionSpec()

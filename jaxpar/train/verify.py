@@ -1,8 +1,8 @@
 """`verify`: train a layout and the single-device reference side by side and compare them.
 
 Both start from the same weights (the layout's sharded init, copied to one device) and see
-the same batches. The reference is always one device, fp32, no gradient accumulation, dot attention;
-for a mixture-of-experts model it takes the layout's routing decisions and judges each one that
+the same batches. The reference is always one device, fp32 (fp8's: fp8), no gradient accumulation,
+dot attention; for a mixture-of-experts model it takes the layout's routing decisions and judges each one that
 its own router would have made otherwise (jaxpar.train.routing_check).
 """
 
@@ -25,9 +25,9 @@ DEFAULT_STEPS = 3
 
 def reference_config(cfg):
     """The single-device version of a config: every layout switch as the reference takes it
-    (jaxpar.features: one device, fp32, ZeRO-0, no remat, offload or accumulation, plain L x L
-    attention, so flash and cuDNN attention are checked against it)."""
-    return cfg.replace(**reference_overrides())
+    (jaxpar.features: one device, fp32 (fp8: the fp8 policy, whose GEMMs it quantizes too), ZeRO-0, no
+    remat, offload or accumulation, plain L x L attention, so flash and cuDNN attention are checked against it)."""
+    return cfg.replace(**reference_overrides(cfg))
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
