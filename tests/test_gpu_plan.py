@@ -374,3 +374,26 @@ def test_what_target_does_not_take_exits_2_with_one_sentence(flags, sentence, ca
     assert main(["plan", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"jaxpar: error: {sentence}") and err.count("\n") == 0, err
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_fp8_compiles_every_dense_block_matmul_to_a_gemm_of_f8_operands_forward_and_backward():
+    """train.precision=fp8 on the default layout: the four weight matmuls of each block (q/k/v, the output
+    projection, the MLP's two) are f8 GEMMs forward (e4m3 x e4m3) and both backward (the e5m2 gradient
+    against an e4m3 operand); attention's two matmuls and the output layer stay bf16."""
+    settings = ("mesh.data=4", "mesh.tensor=2", "train.precision=fp8")
+    cfg = load_config(None, list(settings))
+    plan = plan_for_target(*settings)
+    f8 = {"f8e4m3fn", "f8e5m2"}
+    by_operands = {}
+    for g in plan["gemms"]:
+        by_operands[tuple(g["operands"])] = by_operands.get(tuple(g["operands"]), 0) + g["count"]
+    weight_matmuls = 4 * cfg.model.n_layers
+    assert by_operands.get(("f8e4m3fn", "f8e4m3fn"), 0) == weight_matmuls, by_operands
+    assert sum(n for ops, n in by_operands.items() if set(ops) == f8) == 2 * weight_matmuls, by_operands
+    assert sum(n for ops, n in by_operands.items() if set(ops) <= f8) == 3 * weight_matmuls, by_operands
+    assert gemm_runs(plan) == (block_matmuls(cfg) * cfg.model.n_layers + 1) * 3
+    assert sum(n for ops, n in by_operands.items() if ops == ("bf16", "bf16")) == (
+        (block_matmuls(cfg) - 4) * cfg.model.n_layers + 1) * 3, by_operands
+    print(table(plan["gemms"], plan["custom_calls"]))
