@@ -369,6 +369,8 @@ def test_target_without_the_cuda_plugin_exits_2_naming_the_pip_command(capsys):
     (["--target", "h100", "model.attention=cudnn", "train.precision=bf16"],
      "plan --target cannot trace model.attention=cudnn here"),
     (["--search", "--target", "h100", "--hosts", "2", "run.devices=8"], "plan --target compiles for 16 GPUs"),
+    (["--target", "a100"], "plan --target 'a100' is not a GPU jaxpar compiles for; choose one of h100, h200, b200."),
+    (["--search", "--target", "a100"], "plan --target 'a100' is not a GPU jaxpar compiles for"),
 ])
 def test_what_target_does_not_take_exits_2_with_one_sentence(flags, sentence, capsys):
     assert main(["plan", *flags]) == 2

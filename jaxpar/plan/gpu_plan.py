@@ -62,6 +62,7 @@ def prepared(cfg: Config, hosts: int, hardware: str | None, search: bool = False
 
 def search_devices(cfg: Config, target: str, hosts: int, hardware: str | None) -> tuple[Config, list, float]:
     """(cfg, the target's GPUs, the memory budget: one GPU's memory) for plan --search --target."""
+    gpu_target.check_target(target)
     cfg = prepared(cfg, hosts, hardware, search=True)
     count = requested_devices(cfg) or gpu_target.DEVICES_PER_HOST
     return cfg, gpu_target.gpu_devices(target, count, hosts), gpu_target.TARGETS[target].memory_bytes
@@ -69,6 +70,7 @@ def search_devices(cfg: Config, target: str, hosts: int, hardware: str | None) -
 
 def plan_on_target(cfg: Config, target: str, hosts: int = 1, hardware: str | None = None) -> int:
     """Compile cfg's step with XLA:CPU and with XLA:GPU for `hosts` hosts of `target`, print both; exit 0."""
+    gpu_target.check_target(target)
     cfg = prepared(cfg, hosts, hardware)
     cpu_session = on_devices(cfg, setup_devices(cfg))  # shapes only: no data is read
     gpus = gpu_target.gpu_devices(target, len(cpu_session.devices), hosts)

@@ -115,13 +115,20 @@ TARGETS = {
 
 def add_target_flags(parser) -> None:
     """`plan --target NAME [--hosts N]`."""
-    parser.add_argument("--target", choices=TARGETS,
+    parser.add_argument("--target", metavar="{" + ",".join(TARGETS) + "}",
                         help="also compile the step with XLA:GPU for these GPUs, here, without a GPU (needs "
                              "jaxpar[gpu-plan]), and report its memory, collectives and GEMMs beside XLA:CPU's; "
                              "with --search, rank the layouts on XLA:GPU's programs")
     parser.add_argument("--hosts", type=int, default=1,
                         help=f"with --target: compile for this many hosts of {DEVICES_PER_HOST} GPUs (default 1; "
                              f"the XLA:CPU plan beside it emulates as many devices)")
+
+
+def check_target(name: str) -> None:
+    """Raise ConfigError unless `name` is a target of TARGETS (checked before anything compiles)."""
+    if name not in TARGETS:
+        raise ConfigError(f"plan --target {name!r} is not a GPU jaxpar compiles for; choose one of "
+                          f"{', '.join(TARGETS)}.")
 
 
 def use_cpu_only() -> None:
