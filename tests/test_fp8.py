@@ -168,8 +168,8 @@ def test_power_of_two_scales_quantize_alike_whatever_the_amax_except_the_subnorm
 
 # fp8 layouts against their one-device fp8 reference (jaxpar.config.precision: FP8_TOLERANCES)
 MOE = ("model.moe.experts=8", "model.moe.every=2", "model.n_layers=2")
+DATA_TENSOR = ("mesh.data=4", "mesh.tensor=2")  # verified by the ten-step test below
 FP8_LAYOUTS = {
-    "data=4 x tensor=2": ("mesh.data=4", "mesh.tensor=2"),
     "data=4 x tensor=2, sequence parallel": ("mesh.data=4", "mesh.tensor=2", "parallel.sequence=true"),
     "top-k experts, data=4 x expert=2": (*MOE, "model.moe.router=topk", "mesh.data=4", "mesh.expert=2"),
     "dropless experts, data=2 x expert=4, ragged": (*MOE, "model.moe.router=dropless", "mesh.data=2", "mesh.expert=4",
@@ -197,7 +197,7 @@ def test_fp8_verify_tells_its_reference_from_bf16_gemms(reference, session_for, 
     monkeypatch.setattr(verify_module, "reference_config", lambda cfg: original(cfg).replace(
         **{"train.precision": reference}))
     result = verify(session_for("train.steps=10", *SMALL_MODEL, "train.precision=fp8",
-                                *FP8_LAYOUTS["data=4 x tensor=2"]), log=lambda line: None)
+                                *DATA_TENSOR), log=lambda line: None)
     assert result["ok"] == (reference == "fp8"), result
 
 

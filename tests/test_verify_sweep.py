@@ -32,6 +32,8 @@ CHOICES = {
 ADAPTERS = {"model.lora.rank": ["4", "8"], "model.lora.base_dtype": ["fp32", "nf4"], "model.lora.dropout": ["0", "0.1"]}
 # the architectures of 2026 (drawn apart too): windowed layers with sinks, and dropless experts' dispatch
 VARIANTS = {"model.window": ["0", "12"], "model.sinks": ["false", "true"]}
+# the numerics of issue 50 (drawn apart too): fp8 GEMMs over the drawn precision, and Muon
+NUMERICS = {"train.precision": ["keep", "keep", "fp8"], "train.optimizer": ["adamw", "adamw", "muon"]}
 EXPERTS = {  # a mixture of experts in most draws
     "model.moe.router": ["topk", "switch", "expert_choice", "dropless"],
     "model.moe.shared": ["0", "1"],
@@ -63,6 +65,10 @@ def draw(index: int) -> list[str]:
         overrides.append("model.attention_pattern=lg")
     if "model.moe.router=dropless" in overrides and expert > 1:
         overrides.append(f"parallel.expert_dispatch={['allgather', 'ragged'][variants.integers(2)]}")
+    numerics = np.random.default_rng(4000 + index)
+    for key, values in NUMERICS.items():
+        value = values[numerics.integers(len(values))]
+        overrides += [] if value == "keep" else [f"{key}={value}"]
     return overrides
 
 

@@ -49,8 +49,11 @@ FP32_TIE_TOLERANCE, REDUCED_GRAD_TIE_TOLERANCE, HALF_TIE_TOLERANCE = 2.0 ** -19,
 # expert=2). The same layout against bf16 GEMMs on one device: 1.5e-2 after 3 steps, 3.3e-2 after 10, where
 # against its fp8 reference it stays at 1.2e-2.
 FP8_TOLERANCES = (5e-4, 1.5e-2)
-# weights that start at zero: up to 0.12 (LoRA's B, data=4 x tensor=2; top-k's noise weights: 0.10)
-FP8_FROM_ZERO_TOLERANCE = 0.2
+# weights that start at zero: Adam's first updates are about lr sign(g), so an element whose gradient the
+# layout's rounding moves across zero steps the other way, and a tensor's error is that share of its elements.
+# Measured: 0.12 (LoRA's B, data=4 x tensor=2; top-k's noise weights: 0.10), and 0.25 where the gradients are
+# also reduced in bf16 (LoRA's B, tensor=4 x expert=2, ZeRO-2, grad_accum=2: tests/test_verify_sweep.py, draw 1).
+FP8_FROM_ZERO_TOLERANCE = 0.5
 # router scores move with activations that went through fp8 GEMMs: two of e4m3's steps (2^-3 each; measured:
 # up to 0.172, Switch through 1F1B; 0.07 on the first step, before any weight differs)
 FP8_TIE_TOLERANCE = 2.0 ** -2
