@@ -171,6 +171,8 @@ MOE = ("model.moe.experts=8", "model.moe.every=2", "model.n_layers=2")
 DATA_TENSOR = ("mesh.data=4", "mesh.tensor=2")  # verified by the ten-step test below
 FP8_LAYOUTS = {
     "data=4 x tensor=2, sequence parallel": ("mesh.data=4", "mesh.tensor=2", "parallel.sequence=true"),
+    # bf16 key/value gradients summed over context (an XLA:CPU abort once: jaxpar.parallel.reductions)
+    "data=2 x context=4, all-gather": ("mesh.data=2", "mesh.context=4", "parallel.context_attention=allgather"),
     "top-k experts, data=4 x expert=2": (*MOE, "model.moe.router=topk", "mesh.data=4", "mesh.expert=2"),
     "dropless experts, data=2 x expert=4, ragged": (*MOE, "model.moe.router=dropless", "mesh.data=2", "mesh.expert=4",
                                                     "parallel.expert_dispatch=ragged"),

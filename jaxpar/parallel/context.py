@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.model.scores import PLAIN, ScoreOptions, fold_sinks, sink_share
 from jaxpar.parallel.context_pair import Pair, loop, merge
+from jaxpar.parallel.reductions import scattered
 
 CONTEXT = "context"
 f32 = jnp.float32
@@ -259,8 +260,9 @@ def attention(layout, q_BLHK, k_BLGK, v_BLGV, ids_BL, blocks: tuple[int, int], o
         k_all, v_all, ids_all = _gathered(ring, k, v, ids)
         dq, dk, dv, dsinks = _backward(schedule, ring, to_groups(q), k_all, v_all, ids_all, sink_groups(sinks),
                                        to_groups(out), lse, to_groups(dout))
-        if not ring:  # the all-gather's transpose: each rank's block, summed over the ranks
-            dk, dv = (lax.psum_scatter(x, CONTEXT, scatter_dimension=1, tiled=True) for x in (dk, dv))
+        if not ring:  # the all-gather's transpose: each rank's block, summed over the ranks (in fp32: no bf16
+            # reduce-scatter, which XLA:CPU aborts on, jaxpar.parallel.reductions)
+            dk, dv = (scattered(x, CONTEXT, 1, x.dtype).astype(x.dtype) for x in (dk, dv))
         dsinks = _maybe(lambda d: lax.psum(d, CONTEXT).reshape(H).astype(sinks.dtype), dsinks)  # every rank's rows
         return dq.reshape(q.shape), dk, dv, dsinks
 
