@@ -120,6 +120,13 @@ def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def holds_array(variable: nnx.Variable) -> bool:
+    """Whether a variable holds an array (or its abstract shape), not a placeholder: None for a frozen weight's
+    place in the gradients and optimizer state (model.lora), optax.MaskedNode for a weight's place in the state
+    of an optimizer part that does not take it (Muon's and AdamW's, jaxpar.train.muon)."""
+    return hasattr(variable.get_value(), "shape")
+
+
 def logical_names(variable: nnx.Variable, ndim: int) -> tuple:
     """A variable's logical axis names, one per dimension (all None when it has none that fit:
     an optimizer statistic of another rank, such as Adafactor's factored moments)."""

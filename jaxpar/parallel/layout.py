@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.config.parallel import ParallelConfig
 from jaxpar.config.precision import POLICIES, PrecisionPolicy
 from jaxpar.features.data import ZeroStage
-from jaxpar.model.axes import Gemm, constrain, is_stacked, is_variable, logical_names, path_names
+from jaxpar.model.axes import Gemm, constrain, holds_array, is_stacked, is_variable, logical_names, path_names
 from jaxpar.model.fp8 import GEMMS
 from jaxpar.parallel.rules import RULES, axis_names, data_parallel_axes, logical_to_spec
 from jaxpar.parallel.zero import zero_dim, zero_spec
@@ -172,8 +172,8 @@ class Layout:
     def _specs(self, tree, zero: bool):
         def one(x):
             if is_variable(x):
-                if not hasattr(x.get_value(), "shape"):  # a frozen weight's place in the optimizer state (model.lora),
-                    return x  # or a weight's where another part of it takes that weight (Muon: optax.MaskedNode)
+                if not holds_array(x):  # a placeholder in the optimizer state
+                    return x
                 shape = x.get_value().shape
                 return x.replace(self.spec(logical_names(x, len(shape)), shape, zero))
             return self.spec((None,) * len(x.shape), x.shape, zero) if getattr(x, "ndim", 0) else PartitionSpec()

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.model.axes import is_stacked, is_variable
+from jaxpar.model.axes import holds_array, is_stacked, is_variable
 from jaxpar.parallel.gpipe import gpipe_value_and_grad
 from jaxpar.parallel.one_f_one_b import one_f_one_b_value_and_grad
 from jaxpar.parallel.pipeline import StageFns
@@ -100,8 +100,8 @@ class PipelinePlan:
 
 def _permute_layers(tree, index: np.ndarray):
     def one(v):
-        if not is_variable(v) or not hasattr(v.get_value(), "shape"):  # (a frozen weight's optimizer state: none;
-            return v  # the place of a weight another part of the optimizer takes: optax.MaskedNode)
+        if not is_variable(v) or not holds_array(v):  # (a placeholder in the optimizer state)
+            return v
         value = v.get_value()
         # every leaf stacked over layers: weights, Adam moments, and Adafactor's factored statistics
         stacked = is_stacked(v) and value.ndim >= 1 and value.shape[0] == len(index)

@@ -29,7 +29,7 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from jaxpar.config import ConfigError, TrainConfig
-from jaxpar.model.axes import is_variable, path_names, weight_names
+from jaxpar.model.axes import holds_array, is_variable, path_names, weight_names
 
 # axes that stack weights of their own: the layers (pipeline stages split this axis) and the routed experts
 BATCH_AXES = ("layers", "expert")
@@ -73,7 +73,7 @@ def role_of(path: tuple[str, ...], weight: nnx.Variable) -> Role | None:
     """The weight's role when it is a matrix Muon knows: its name in ROLES, its logical names the
     role's after batch axes only (a weight of another shape under the same name is not taken)."""
     role, value = ROLES.get(path[-1]), weight.get_value()
-    if role is None or not hasattr(value, "ndim") or value.ndim < len(role.names):
+    if role is None or not holds_array(weight) or value.ndim < len(role.names):
         return None
     names = weight_names(weight, value.ndim)
     lead, rest = names[:len(names) - len(role.names)], names[len(names) - len(role.names):]
@@ -106,7 +106,7 @@ def check_muon_weights(t: TrainConfig, abstract_params) -> None:
     """ConfigError (before anything is compiled) when train.muon_weights names a weight Muon cannot
     treat as a matrix, or no weight at all, or when the model has no matrix Muon knows."""
     weights = {path_names(p): v for p, v in jax.tree_util.tree_leaves_with_path(abstract_params, is_leaf=is_variable)
-               if is_variable(v) and v.get_value() is not None}
+               if is_variable(v) and holds_array(v)}
     matrices = [path for path, v in weights.items() if role_of(path, v) is not None]
     if not matrices:
         raise ConfigError("train.optimizer=muon found no weight it knows as a matrix in this model "

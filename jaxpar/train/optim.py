@@ -9,7 +9,7 @@ import jax
 import optax
 
 from jaxpar.config import TrainConfig
-from jaxpar.model.axes import is_variable, logical_names
+from jaxpar.model.axes import holds_array, is_variable, logical_names
 from jaxpar.train.muon import check_muon_weights, muon_update
 from jaxpar.train.offload import layerwise
 
@@ -47,9 +47,8 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
 
 def _decay_mask(params):
     # Decay matrices only; norm scales (1 dim per layer) are left alone.
-    def is_matrix(x):  # (a frozen weight's leaf is None: jaxpar.model.adapters.trainable; one Muon takes: masked)
-        value = x.get_value()
-        return hasattr(value, "ndim") and sum(n != "layers" for n in logical_names(x, value.ndim)) >= 2
+    def is_matrix(x):  # (a frozen weight's or one Muon takes: a placeholder)
+        return holds_array(x) and sum(n != "layers" for n in logical_names(x, x.get_value().ndim)) >= 2
 
     return jax.tree.map(lambda v: v.replace(is_matrix(v)), params, is_leaf=is_variable)
 
