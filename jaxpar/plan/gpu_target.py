@@ -8,9 +8,8 @@ and a jit sharded over them lowers and compiles to XLA:GPU's program, whose memo
 the plan reads. Nothing runs. The plugin (jax-cuda12-plugin and jax-cuda12-pjrt, about 470 MB) is the
 optional extra `jaxpar[gpu-plan]`; it needs none of the nvidia-* wheels to compile.
 
-Each target's figures come from NVIDIA's documents, cited beside them:
-  * H100 SXM5 80 GB and H200 SXM 141 GB datasheets (nvidia.com/en-us/data-center/h100, /h200): the
-    memory size and bandwidth;
+Each target's figures come from NVIDIA's documents, cited beside them; the memory size and bandwidth are
+the datasheet profiles' of jaxpar.plan.hardware (the roofline's, so the two never disagree):
   * the NVIDIA H100 Tensor Core GPU Architecture whitepaper (GH100, both GPUs' chip): 132 SMs in the
     SXM5 product, 128 FP32 cores per SM, 50 MB of L2, 1,980 MHz maximum SM clock;
   * B200: the DGX B200 user guide (docs.nvidia.com/dgx/dgxb200-user-guide: 8 B200 GPUs with 1,440 GB
@@ -40,6 +39,7 @@ import jax
 from jax.experimental import topologies
 
 from jaxpar.config import MESH_AXES, Config, ConfigError
+from jaxpar.plan.hardware import GPU_PROFILES
 
 PLUGIN_MODULE = "jax_plugins.xla_cuda12"
 INSTALL = ("pip install 'jaxpar[gpu-plan]' (or: pip install --no-deps jax-cuda12-plugin==0.12.0.1 "
@@ -54,16 +54,23 @@ CUDNN_VERSION = (9, 10, 2)
 class GpuTarget:
     """One kind of GPU as XLA:GPU's compiler sees it (figures and sources: the module's docstring)."""
 
-    name: str
+    name: str  # also its datasheet profile's (jaxpar.plan.hardware.GPU_PROFILES): memory size and bandwidth
     device_kind: str  # what the device calls itself (nvidia-smi's name), and jax's device_kind
-    memory_bytes: int
-    memory_bandwidth: int  # bytes per second
     sms: int = 132
     fp32_cores_per_sm: int = 128
     clock_ghz: float = 1.98
     l2_bytes: int = 50 * 2 ** 20
     compute_capability: tuple[int, int] = (9, 0)
     source: str = ""
+
+    @property
+    def memory_bytes(self) -> int:
+        return round(GPU_PROFILES[self.name].memory_bytes)
+
+    @property
+    def memory_bandwidth(self) -> int:
+        """HBM bytes per second."""
+        return round(GPU_PROFILES[self.name].memory_bandwidth)
 
     def config_text(self) -> str:
         """The GpuTargetConfigProto, in text form, that the CUDA plugin compiles for."""
@@ -102,11 +109,11 @@ device_description_str: "{self.device_kind}"
 
 
 TARGETS = {
-    "h100": GpuTarget("h100", "NVIDIA H100 80GB HBM3", 80 * 10 ** 9, 3_350 * 10 ** 9,
+    "h100": GpuTarget("h100", "NVIDIA H100 80GB HBM3",
                       source="H100 SXM5 80 GB: 3.35 TB/s HBM3 (datasheet); GH100 whitepaper"),
-    "h200": GpuTarget("h200", "NVIDIA H200", 141 * 10 ** 9, 4_800 * 10 ** 9,
+    "h200": GpuTarget("h200", "NVIDIA H200",
                       source="H200 SXM 141 GB: 4.8 TB/s HBM3e (datasheet); GH100 whitepaper"),
-    "b200": GpuTarget("b200", "NVIDIA B200", 180 * 10 ** 9, 8_000 * 10 ** 9, sms=148, clock_ghz=1.965,
+    "b200": GpuTarget("b200", "NVIDIA B200", sms=148, clock_ghz=1.965,
                       l2_bytes=132_644_864, compute_capability=(10, 0),
                       source="B200 180 GB: 8 TB/s HBM3e (DGX B200 user guide, Blackwell datasheet); "
                              "148 SMs, 126.5 MiB L2 (XLA's b200 spec)"),

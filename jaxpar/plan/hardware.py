@@ -59,6 +59,7 @@ class Hardware:
     write_bandwidth: float  # bytes per second one device's elementwise work writes (reading as much)
     collective_overhead_s: float = 0.0  # what every collective costs besides its ring steps (GPUs: in the steps)
     machine: dict | None = None
+    memory_bandwidth: float = 0.0  # the datasheet's HBM bytes per second (GPUs; 0 where not given)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -68,7 +69,7 @@ def _gpu(name: str, bf16_tflops: float, tf32_tflops: float, memory_gb: float, hb
          nic_gbs: float, source: str) -> Hardware:
     peak = {"bfloat16": bf16_tflops * 1e12, "float16": bf16_tflops * 1e12, "float32": tf32_tflops * 1e12}
     return Hardware(name, peak, memory_gb * GB, 8, nvlink_gbs * GB, nic_gbs * GB, 5e-6, 10e-6, True, source,
-                    hbm_tbs * 1e12 / 2)
+                    hbm_tbs * 1e12 / 2, memory_bandwidth=hbm_tbs * 1e12)
 
 
 GPU_PROFILES = {
