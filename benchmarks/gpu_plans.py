@@ -53,7 +53,7 @@ def measure(name: str, target: str) -> dict:
     from jaxpar.session import on_devices
 
     settings, hosts = LAYOUTS[name]
-    cfg = prepared(load_settings(settings), hosts, None)
+    cfg = prepared(load_settings(settings), target, hosts, None)
     out = {"name": name, "hosts": hosts}
     cpu_devices = setup_devices(cfg)  # before jax starts: the emulated device count
     start = time.perf_counter()

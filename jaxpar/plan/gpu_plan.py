@@ -42,10 +42,11 @@ def counted_plan(session) -> tuple[dict, Trainer]:
     return plan, trainer
 
 
-def prepared(cfg: Config, hosts: int, hardware: str | None, search: bool = False) -> Config:
-    """cfg checked for plan --target on `hosts` hosts (ConfigError before anything compiles; a search's mesh
-    is its own), with run.devices set to their GPUs when there are several; jax is kept on the CPU from here
-    on."""
+def prepared(cfg: Config, target: str, hosts: int, hardware: str | None, search: bool = False) -> Config:
+    """cfg checked for plan --target on `hosts` hosts of `target` (ConfigError before anything compiles; a
+    search's mesh is its own), with run.devices set to their GPUs when there are several; jax is kept on the
+    CPU from here on."""
+    gpu_target.check_target(target)
     if distributed.from_environment() is not None:
         raise ConfigError("plan --target compiles in one process; run it outside jaxpar launch.")
     if hardware == "cpu":
@@ -62,16 +63,14 @@ def prepared(cfg: Config, hosts: int, hardware: str | None, search: bool = False
 
 def search_devices(cfg: Config, target: str, hosts: int, hardware: str | None) -> tuple[Config, list, float]:
     """(cfg, the target's GPUs, the memory budget: one GPU's memory) for plan --search --target."""
-    gpu_target.check_target(target)
-    cfg = prepared(cfg, hosts, hardware, search=True)
+    cfg = prepared(cfg, target, hosts, hardware, search=True)
     count = requested_devices(cfg) or gpu_target.DEVICES_PER_HOST
     return cfg, gpu_target.gpu_devices(target, count, hosts), gpu_target.TARGETS[target].memory_bytes
 
 
 def plan_on_target(cfg: Config, target: str, hosts: int = 1, hardware: str | None = None) -> int:
     """Compile cfg's step with XLA:CPU and with XLA:GPU for `hosts` hosts of `target`, print both; exit 0."""
-    gpu_target.check_target(target)
-    cfg = prepared(cfg, hosts, hardware)
+    cfg = prepared(cfg, target, hosts, hardware)
     cpu_session = on_devices(cfg, setup_devices(cfg))  # shapes only: no data is read
     gpus = gpu_target.gpu_devices(target, len(cpu_session.devices), hosts)
     gpu_session = on_devices(cfg, gpus)
