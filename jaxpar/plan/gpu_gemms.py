@@ -26,7 +26,7 @@ import json
 import math
 import re
 
-from jaxpar.plan.hlo import Instruction, Module, array_shapes, parse
+from jaxpar.plan.hlo import OPERAND, Instruction, Module, array_shapes, dot_flops, lhs_contracting, parse
 
 _FUSION_KINDS = (("__triton", "triton"), ("__cudnn", "cudnn"), ("__custom_fusion", "cutlass"))
 _LIBRARY_CALLS = (("__cublas$lt$", "cublaslt"), ("__cublas$", "cublas"), ("__cudnn$", "cudnn"))
@@ -34,7 +34,6 @@ _DOTS = ("dot", "scaled-dot")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _BACKEND_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
 _CALLS = re.compile(r"\bcalls=%([^\s,)}]+)")
-_OPERAND = re.compile(r"%([^\s,)}]+)")
 
 
 def _dims(shape: str) -> tuple[str, tuple[int, ...]]:
@@ -51,7 +50,7 @@ def _operands(inst: Instruction) -> list[str]:
         if depth < 0:
             end = i
             break
-    return _OPERAND.findall(inst.rest[:end])
+    return OPERAND.findall(inst.rest[:end])
 
 
 def _reads(name: str, by_name: dict[str, Instruction]) -> str:
@@ -70,22 +69,17 @@ def _reads(name: str, by_name: dict[str, Instruction]) -> str:
     return best[1]
 
 
-def _dot_flops(lhs: tuple[int, ...], result: tuple[int, ...], contracting: list[int]) -> int:
-    return 2 * math.prod(result) * math.prod(lhs[d] for d in contracting if d < len(lhs))
-
-
 def _dot_entry(kind: str, dot: Instruction, by_name: dict[str, Instruction]) -> dict:
     names = _operands(dot)[:2]
     shapes = [_dims(by_name[n].shape) if n in by_name else ("?", ()) for n in names]
     result = _dims(dot.shape)
-    contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.rest)
-    contracting = [int(d) for d in contract.group(1).split(",") if d] if contract else []
+    contracting = lhs_contracting(dot) or []
     lhs = shapes[0][1] if shapes else ()
     operands = [t for t, _ in shapes]
     reads = operands if kind == "dot" else [_reads(n, by_name) for n in names]  # a fusion reads its parameters
     return {"kind": kind, "operands": operands, "reads": reads,
             "result": result[0], "shape": _shape_text([d for _, d in shapes], result[1]),
-            "flops": _dot_flops(lhs, result[1], contracting)}
+            "flops": dot_flops(lhs, result[1], contracting)}
 
 
 def _shape_text(operands: list[tuple[int, ...]], result: tuple[int, ...]) -> str:
@@ -106,7 +100,7 @@ def _library_entry(kind: str, inst: Instruction, by_name: dict[str, Instruction]
         shapes = shapes[:2]
         config = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.rest)
         contracting = [int(d) for d in re.findall(r"\d+", config.group(1))] if config else []
-        flops = _dot_flops(shapes[0][1] if shapes else (), result[1], contracting)
+        flops = dot_flops(shapes[0][1] if shapes else (), result[1], contracting)
     reads = [t for t, _ in shapes]  # a library call reads its operands as they are
     return {"kind": kind, "operands": reads, "reads": reads, "result": result[0],
             "shape": _shape_text([d for _, d in shapes], result[1]), "flops": flops}

@@ -91,6 +91,17 @@ def parse(hlo_text: str) -> Module:
     return Module(computations, entry, calls)
 
 
+def lhs_contracting(inst: Instruction) -> list[int] | None:
+    """A dot's contracted dimensions of its left operand (None: not written, not a dot)."""
+    found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.rest)
+    return [int(d) for d in found.group(1).split(",") if d] if found else None
+
+
+def dot_flops(lhs_dims: tuple[int, ...], out_dims: tuple[int, ...], contracting: list[int]) -> int:
+    """A matmul's FLOPs, a dot's or a library GEMM's: 2 x output elements x contracted size."""
+    return 2 * math.prod(out_dims) * math.prod(lhs_dims[d] for d in contracting if d < len(lhs_dims))
+
+
 def matmul_flops(module: Module, root: str | None = None) -> float:
     """2 x output elements x contracted size for every dot, times its executions per step
     (per run of computation `root` and what it calls, when given)."""
@@ -103,14 +114,12 @@ def matmul_flops(module: Module, root: str | None = None) -> float:
             if inst.op != "dot":
                 continue
             lhs = re.match(r"\s*%?([^\s,)]+)", inst.rest)
-            contract = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.rest)
+            contracting = lhs_contracting(inst)
             lhs_shapes = array_shapes(shapes.get(lhs.group(1), "")) if lhs else []
-            if not lhs_shapes or not contract:
+            if not lhs_shapes or contracting is None:
                 continue
-            lhs_dims = lhs_shapes[0][1]
-            contracted = math.prod(lhs_dims[int(d)] for d in contract.group(1).split(",") if d)
-            out = math.prod(array_shapes(inst.shape)[0][1])
-            total += 2.0 * out * contracted * module.executions(name)
+            total += float(dot_flops(lhs_shapes[0][1], array_shapes(inst.shape)[0][1], contracting)
+                           * module.executions(name))
     return total
 
 
@@ -164,17 +173,17 @@ def _fused(module: Module) -> tuple[set[str], set[str]]:
     return fused, with_dot
 
 
-_OPERAND = re.compile(r"%([^\s,)}]+)")
+OPERAND = re.compile(r"%([^\s,)}]+)")  # an operand's %name in an instruction's text
 
 
 def _in_place_bytes(inst: Instruction, shapes: dict[str, Instruction]) -> int | None:
     """The bytes of the update when `inst` is (a view of) a dynamic-update-slice, which XLA does
     in place, writing only the update: None otherwise."""
-    while inst.op in ("bitcast", "reshape") and (names := _OPERAND.findall(inst.rest)) and names[0] in shapes:
+    while inst.op in ("bitcast", "reshape") and (names := OPERAND.findall(inst.rest)) and names[0] in shapes:
         inst = shapes[names[0]]
     if inst.op != "dynamic-update-slice":
         return None
-    names = _OPERAND.findall(inst.rest)
+    names = OPERAND.findall(inst.rest)
     return nbytes(shapes[names[1]].shape) if len(names) > 1 and names[1] in shapes else None
 
 
