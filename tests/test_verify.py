@@ -66,4 +66,4 @@ def test_verify_cli_prints_json_last_line(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     result = json.loads(last)
     assert code == 0 and result["ok"] is True and result["steps"] == 3
-    assert set(result) == {"ok", "layout", "steps", "loss_max_rel_err", "param_max_rel_err"}
+    assert set(result) == {"ok", "layout", "steps", "loss_max_rel_err", "param_max_rel_err", "update_ties"}
