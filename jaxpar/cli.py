@@ -191,24 +191,9 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from jaxpar.data.document_readers import DocumentSpec
-    from jaxpar.data.tokenize import tokenize
+    from jaxpar.data.tokenize_command import run_tokenize
 
-    field = args.field or args.column or ("messages" if args.chat else None)
-    chats = args.preference and args.chat  # preference conversations: their fields default to chosen, rejected
-    spec = DocumentSpec(split=args.split, field=field, sft=args.sft, prompt=args.field_prompt,
-                        response=args.field_response, chat=args.chat, preference=args.preference,
-                        chosen=args.field_chosen or ("chosen" if chats else None),
-                        rejected=args.field_rejected or ("rejected" if chats else None))
-    meta = tokenize(args.input, args.out, args.vocab_size, args.tokenizer, progress=not args.no_progress, spec=spec)
-    count, detail = meta["documents"]["count"], f"{meta['dtype']}, vocabulary {meta['vocab_size']}"
-    pairs = f"{count // 2:,} preference pairs, each chosen then rejected; " if spec.preference else ""
-    print(f"{meta['tokens']:,} tokens in {count:,} documents ({pairs}{detail}) in {len(meta['shards'])} shard(s) "
-          f"under {args.out}/; train on them with data.source={args.out} model.vocab_size={meta['vocab_size']}"
-          + (" data.packing=pack train.objective=dpo (or simpo, orpo)" if spec.preference
-             else " data.packing=pack (the loss is on the responses)" if spec.masked else ""))
-    print(json.dumps({k: meta[k] for k in ("vocab_size", "dtype", "tokens", "inputs_sha256")}))
-    return 0
+    return run_tokenize(args)
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:

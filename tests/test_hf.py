@@ -395,7 +395,7 @@ def test_tokenize_with_a_checkpoints_tokenizer_and_generate(tmp_path, capsys):
     tok, run = tmp_path / "tok", tmp_path / "run"
     assert main(["tokenize", "--input", str(text), "--tokenizer", str(FIXTURES / "qwen2"), "--out", str(tok),
                  "--no-progress"]) == 0
-    ids = np.fromfile(tok / "tokens-00000.bin", np.uint16)
+    ids = np.fromfile(tok / json.loads((tok / "meta.json").read_text())["shards"][0]["file"], np.uint16)
     tokenizer = Tokenizer.from_file(str(FIXTURES / "qwen2" / "tokenizer.json"))
     assert tokenizer.decode(ids.tolist()) == text.read_text()
     assert main(["train", f"model.from_hf={FIXTURES / 'qwen2'}", f"data.source={tok}", "train.steps=4",

@@ -145,7 +145,7 @@ LAZY_IMPORTS = {
     "plan/search.py", "runtime/devices.py", "runtime/distributed.py", "runtime/replan.py", "session.py",
     "sampling/command.py", "train/model_flops.py",
     # a package only some commands need, paid for by those
-    "charts.py", "plan/schedule_chart.py", "data/chat.py", "data/corpus.py", "data/document_readers.py",
+    "charts.py", "plan/schedule_chart.py", "data/chat.py", "data/corpus.py", "data/input_files.py",
     "data/token_folder.py", "data/tokenize.py", "train/tensorboard.py",
     # mixtures import packing only when a mixture is read (at module level the chain grows by one)
     "data/mixture.py",

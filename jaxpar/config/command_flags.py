@@ -50,8 +50,19 @@ def check_launch_flags(processes: int, devices_per_process: int | None, command:
 
 def add_tokenize_flags(p: argparse.ArgumentParser) -> None:
     """`jaxpar tokenize`: the documents to read, how, and the tokenizer to train or apply."""
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help=".txt (UTF-8; a document per file), .jsonl (a document per line) or .parquet (per row) files")
+    p.add_argument("--input", nargs="+", metavar="PATH",
+                   help="files, folders or globs: .txt (UTF-8; a document per file), .jsonl, .jsonl.gz, .jsonl.zst (a "
+                        "document per line), .parquet (per row), or a folder `datasets` saved (its Arrow files)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="processes encoding at once, each with one thread (default 1: this process, with the "
+                        "tokenizer's own threads)")
+    p.add_argument("--shard", metavar="I/N", help="do the I-th of N parts of the work (units I, I+N, ...), for N tasks "
+                   "of a job array; join their --out folders with --merge")
+    p.add_argument("--unit-mb", type=float, default=8.0, metavar="MB",
+                   help="the work's unit: MB of a plain .jsonl or .txt file (other files are a unit each) that a "
+                        "worker takes at a time and an interrupted run redoes (default 8)")
+    p.add_argument("--merge", nargs="+", metavar="DIR", help="join the folders of a run's --shard tasks into --out "
+                   "(instead of --input)")
     p.add_argument("--split", choices=("file", "paragraphs"), default="file",
                    help=".txt files: a document per file, or per blank-line-separated paragraph")
     p.add_argument("--field", metavar="NAME", help=".jsonl: the field holding each document's text")

@@ -1,32 +1,27 @@
-"""The documents of `jaxpar tokenize`'s inputs, read as a stream (never a whole file at once).
+"""What a document is in each of `jaxpar tokenize`'s inputs, and every check of the inputs that can be made
+before reading them.
 
-`.txt`: a document per file, or per blank-line-separated block (split='paragraphs').
-`.jsonl`: a document per line, the text in `field`.
-`.parquet`: a document per row, the text in `column`, read in record batches with pyarrow.
-Fine-tuning (`sft`): each JSONL line or Parquet row gives a (prompt, response) pair instead; for
-chats (`chat`), a list of messages, each a {"role", "content"} mapping. Preference pairs
-(`preference`): each record gives two documents, first the chosen then the rejected one: (prompt,
-chosen) and (prompt, rejected) pairs, or with `chat` two message lists that differ only in their last
-message, the assistant's response.
+.txt: a document per file, or per blank-line-separated block (split='paragraphs').
+.jsonl (also .jsonl.gz, .jsonl.zst): a document per line, the text in `field`.
+.parquet, and the Arrow files of a `datasets` folder: a document per row, the text in `column`.
+Fine-tuning (`sft`): each record gives a (prompt, response) pair instead; for chats (`chat`), a list
+of messages, each a {"role", "content"} mapping. Preference pairs (`preference`): each record gives
+two documents, first the chosen then the rejected one: (prompt, chosen) and (prompt, rejected) pairs,
+or with `chat` two message lists that differ only in their last message, the assistant's response.
 
-Each is yielded as (content, ends): content a str, a (prompt, response) pair of strs, or a list of
-messages; ends whether the document ends with it (a long .txt file comes in pieces cut at line ends).
-Every malformed input is a DataError naming the file and the line or row.
+jaxpar.data.work_units reads the files in pieces and yields each document as (content, ends):
+content a str, a (prompt, response) pair of strs, or a list of messages; ends whether the document
+ends with it (a long .txt file comes in pieces cut at line ends). Every malformed record is a
+DataError naming the file and the line or row.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Iterator
-from pathlib import Path
 
 from jaxpar.data.chat import ASSISTANT
+from jaxpar.data.input_files import RECORD_KINDS, InputFile, record_columns
 from jaxpar.errors import DataError
-
-CHUNK_BYTES = 1 << 22  # text read per piece
-PARQUET_BATCH_ROWS = 1024
-SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,26 +53,25 @@ class DocumentSpec:
         return self.sft or self.chat or self.preference
 
 
-def check_inputs(inputs: list[str], spec: DocumentSpec) -> None:
+def check_inputs(inputs: list[InputFile], spec: DocumentSpec) -> None:
     """Every mistake in the inputs that can be seen before reading them, as one DataError sentence."""
     if spec.split not in ("file", "paragraphs"):
         raise DataError(f"--split must be 'file' or 'paragraphs', got {spec.split!r}.")
     _check_kind(spec)
-    for name in inputs:
-        path = Path(name)
-        if not path.is_file():
-            raise DataError(f"--input '{name}' is not a file.")
-        if path.suffix not in SUFFIXES:
-            raise DataError(f"--input '{name}' is not a .txt, .jsonl or .parquet file.")
-        if spec.masked and path.suffix == ".txt":
+    for source in inputs:
+        if spec.masked and source.kind == ".txt":
             flag = ("--preference reads prompts with a chosen and a rejected response" if spec.preference
                     else "--sft reads prompt/response pairs" if spec.sft else "--chat reads message lists")
-            raise DataError(f"{flag} from .jsonl or .parquet files, not '{name}'.")
-        if path.suffix != ".txt" and not all(spec.names()):
-            flag = "--field" if path.suffix == ".jsonl" else "--column"
-            raise DataError(f"--input '{name}' needs {flag} NAME: which {flag[2:]} holds the text.")
-        if path.suffix == ".parquet":
-            _check_columns(path, spec.names())
+            raise DataError(f"{flag} from .jsonl, .parquet or Arrow files, not '{source.path}'.")
+        if source.kind in RECORD_KINDS and not all(spec.names()):
+            flag = "--field" if source.kind.startswith(".jsonl") else "--column"
+            raise DataError(f"--input '{source.path}' needs {flag} NAME: which {flag[2:]} holds the text.")
+        if source.kind in (".parquet", ".arrow"):
+            columns = record_columns(source)
+            for name in dict.fromkeys(spec.names()):
+                if name not in columns:
+                    raise DataError(f"--input '{source.path}' has no column '{name}' (it has "
+                                    f"{', '.join(columns)}).")
 
 
 def _check_kind(spec: DocumentSpec) -> None:
@@ -101,58 +95,9 @@ def _check_kind(spec: DocumentSpec) -> None:
                         "prompt and of the chosen and rejected responses).")
 
 
-def _check_columns(path: Path, names: tuple[str, ...]) -> None:
-    import pyarrow
-    import pyarrow.parquet as pq
-
-    try:
-        schema = pq.ParquetFile(path).schema_arrow
-    except (OSError, pyarrow.ArrowException) as e:
-        raise DataError(f"--input '{path}' is not a Parquet file pyarrow can read ({e}).") from None
-    for name in names:
-        if name not in schema.names:
-            raise DataError(f"--input '{path}' has no column '{name}' (it has {', '.join(schema.names)}).")
-
-
-def documents(path: Path, spec: DocumentSpec) -> Iterator[tuple[str | tuple[str, str], bool]]:
-    """The documents of one input file, in order, as (content, ends) pieces."""
-    if path.suffix == ".txt" and spec.split == "file":
-        yield from _file_pieces(path)
-        return
-    reader = {".jsonl": _jsonl, ".parquet": _parquet}.get(path.suffix)
-    for content in (reader(path, spec) if reader else _paragraphs(path)):
-        if spec.preference:  # a record's two documents: the chosen one, then the rejected one
-            yield from ((half, True) for half in content)
-        else:
-            yield content, True
-
-
-def _file_pieces(path: Path) -> Iterator[tuple[str, bool]]:
-    """A whole file as one document, in pieces of about CHUNK_BYTES cut at line ends."""
-    with path.open("r", encoding="utf-8", errors="replace", newline="") as f:
-        text = f.read(CHUNK_BYTES)
-        while text:
-            text += f.readline()  # finish the line, so no word is cut
-            following = f.read(CHUNK_BYTES)
-            yield text, not following
-            text = following
-
-
-def _paragraphs(path: Path) -> Iterator[str]:
-    """Blocks of text separated by one or more blank lines."""
-    block: list[str] = []
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.strip():
-                block.append(line)
-            elif block:
-                yield "".join(block)
-                block = []
-    if block:
-        yield "".join(block)
-
-
-def _record(values: dict, spec: DocumentSpec, where: str):
+def record(values: dict, spec: DocumentSpec, where: str):
+    """A record's content ({field: value}; `where` names it in errors): a text, a (prompt, response) pair,
+    a chat's messages, or a preference record's two documents."""
     if spec.chat and not spec.preference:
         return _messages(values.get(spec.field), spec.field, where)
     for name in spec.names() if not spec.chat else ():
@@ -199,28 +144,3 @@ def _messages(messages, field: str, where: str) -> list[dict]:
         raise DataError(f"{where}: field '{field}' is not a list of messages, each with a 'role' and a 'content' "
                         f"text.")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
-
-
-def _jsonl(path: Path, spec: DocumentSpec) -> Iterator[str | tuple[str, str]]:
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                values = json.loads(line)
-            except json.JSONDecodeError:
-                raise DataError(f"{path} line {number} is not JSON.") from None
-            if not isinstance(values, dict):
-                raise DataError(f"{path} line {number} is not a JSON object.")
-            yield _record(values, spec, f"{path} line {number}")
-
-
-def _parquet(path: Path, spec: DocumentSpec) -> Iterator[str | tuple[str, str]]:
-    import pyarrow.parquet as pq
-
-    names, row = list(dict.fromkeys(spec.names())), 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=names):
-        columns = {name: batch.column(name).to_pylist() for name in names}
-        for i in range(batch.num_rows):
-            yield _record({name: columns[name][i] for name in names}, spec, f"{path} row {row}")
-            row += 1

@@ -32,3 +32,10 @@ def new_folder(target: Path):
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a temporary file beside it, renamed)."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)

@@ -24,6 +24,7 @@ META, TOKENIZER = "meta.json", "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 COMPANION_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json")
 FORMAT = "jaxpar-tokens-1"
+SHARD_FORMAT = "jaxpar-token-shard-1"  # one --shard task's part of a folder (jaxpar.data.token_assembly)
 DTYPES = ("uint16", "uint32")
 
 
@@ -92,6 +93,9 @@ def read_meta(folder: Path) -> dict:
         meta = json.loads((folder / META).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"data.source '{folder}': its {META} cannot be read ({type(e).__name__}).") from None
+    if isinstance(meta, dict) and meta.get("format") == SHARD_FORMAT:
+        raise DataError(f"data.source '{folder}' is one part of a `jaxpar tokenize --shard` run; join the parts "
+                        f"with `jaxpar tokenize --merge` and train on the result.")
     fields = {"format": str, "vocab_size": int, "dtype": str, "tokens": int, "shards": list}
     if (not isinstance(meta, dict) or any(not isinstance(meta.get(k), t) for k, t in fields.items())
             or meta["format"] != FORMAT):
