@@ -9,12 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import tokenizer_with_template
+from test_pack_plan import reference_plan
 
 from jaxpar.cli import main
 from jaxpar.config.presets import load_config
 from jaxpar.data.document_readers import DocumentSpec
 from jaxpar.data.documents import Documents, load_documents, split_documents
-from jaxpar.data.packing import PackSampler, pack_plan, packed_samplers
+from jaxpar.data.pack_plan import pack_plan
+from jaxpar.data.packing import PackSampler, packed_samplers
 from jaxpar.data.preference import check_preference_source, is_preference_data
 from jaxpar.data.token_folder import TextCodec
 from jaxpar.data.tokenize import tokenize
@@ -114,16 +116,18 @@ def test_packed_rows_hold_whole_pairs_chosen_first(folder):
     docs = load_documents(str(folder), VOCAB)
     assert docs.pairs and len(docs) % 2 == 0
     sampler = PackSampler(docs, SEQ, batch_size=4, seed=3)
-    placed = [piece for row in sampler.rows for piece in row]
+    rows = [sampler.plan.row(r) for r in range(len(sampler.plan))]
+    placed = [piece for row in rows for piece in row]
     lengths = np.diff(np.concatenate([[0], docs.ends]))
+    assert rows == reference_plan(lengths, SEQ + 1, 3, pairs=True)  # tests/test_pack_plan.py's specification
     assert sorted(d for d, _, _ in placed) == list(range(len(docs)))  # every document once, whole
     assert all(offset == 0 and length == lengths[d] for d, offset, length in placed)
-    for row in sampler.rows:
+    for row in rows:
         assert [d % 2 for d, _, _ in row] == [0, 1] * (len(row) // 2)  # pairs, chosen then its rejected
         assert all(row[i + 1][0] == row[i][0] + 1 for i in range(0, len(row), 2))
     assert [d for d, _, _ in placed[::2]] != sorted(d for d, _, _ in placed[::2])  # pairs shuffled
-    batch = sampler.windows(np.arange(len(sampler.rows)))
-    for r, row in enumerate(sampler.rows):
+    batch = sampler.windows(np.arange(len(rows)))
+    for r, row in enumerate(rows):
         segments = batch.segments_BT[r]
         for s, (d, _, length) in enumerate(row):  # document ids from 0 in each row: chosen even, rejected odd
             where = np.flatnonzero(segments == s)
@@ -148,11 +152,11 @@ def test_the_split_falls_between_pairs(folder):
 
 def test_a_pair_longer_than_a_row_is_left_out_with_a_warning(capsys):
     docs = pair_documents([5, 6, 30, 10, 4, 4, 20, 12])  # pair 1 (40 tokens) does not fit a row of 33
-    rows = pack_plan(np.diff(np.concatenate([[0], docs.ends])), 33, seed=0, pairs=True)
+    plan = pack_plan(np.diff(np.concatenate([[0], docs.ends])), 33, seed=0, pairs=True)
     err = capsys.readouterr().err.strip()
     assert err == ("jaxpar: warning: 1 of 4 preference pairs are longer than a row of model.seq_len + 1 = 33 "
                    "tokens and are left out (the longest has 40).")
-    assert sorted(d for row in rows for d, _, _ in row) == [0, 1, 4, 5, 6, 7]
+    assert sorted(plan.piece_doc.tolist()) == [0, 1, 4, 5, 6, 7]
     with pytest.raises(DataError, match=r"^all 2 preference pairs are longer than a row of model.seq_len \+ 1 = 8 "):
         pack_plan(np.asarray([5, 6, 30, 10]), 8, seed=0, pairs=True)
 

@@ -5,22 +5,24 @@ document (ids from 0 within the row) and its position in it; a window's first do
 begun before the window, and starts at position 0 there.
 `pack`: whole documents placed into rows before training: documents longer than a row are cut into
 row-sized pieces, the pieces are shuffled (seeded), and each goes to the first of the open rows
-with room for it (first-fit over a buffer of `PACK_BUFFER` rows, so memory stays bounded). A row's
-free end is padding: its own segment, masked out of the loss. Step n draws its rows by index.
+with room for it (first-fit over a buffer of rows; jaxpar.data.pack_plan plans it, and a token
+folder keeps the plan). A row's free end is padding: its own segment, masked out of the loss. Step
+n draws its rows by index.
 Preference pairs (jaxpar.data.preference) are packed only so, each pair one unit: its two documents
 whole and consecutive in one row, chosen first; pairs, not documents, are shuffled.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from jaxpar.data.documents import Documents, load_documents, split_documents
 from jaxpar.data.loader import BatchSampler
+from jaxpar.data.pack_plan import cached_pack_plan
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.data.preference import check_pair_packing, pair_units
-
-PACK_BUFFER = 64  # open rows a piece may go to
+from jaxpar.data.preference import check_pair_packing
 
 
 def _labelled(tokens_T: np.ndarray, doc_T: np.ndarray, starts: np.ndarray, begin: int, mask_T) -> tuple:
@@ -53,39 +55,16 @@ class ConcatSampler(BatchSampler):
         return _stacked(rows)
 
 
-def pack_plan(lengths: np.ndarray, width: int, seed: int, pairs: bool = False) -> list[list[tuple[int, int, int]]]:
-    """Rows of pieces (document, offset in it, length): documents cut into pieces of at most `width`
-    tokens (preference pairs: each pair's two documents whole, one unit; see pair_units), the units
-    shuffled and placed first-fit into the open rows (at most PACK_BUFFER; the fullest is closed when
-    another must open)."""
-    units = pair_units(lengths, width) if pairs else [
-        [(d, o, min(width, int(n) - o))] for d, n in enumerate(lengths) for o in range(0, int(n), width)]
-    order = np.random.default_rng(seed).permutation(len(units))
-    open_rows: list[list] = []  # [free room, pieces]
-    closed: list[list] = []
-    for i in order:
-        unit, size = units[i], sum(piece[2] for piece in units[i])
-        for row in open_rows:
-            if row[0] >= size:
-                row[0] -= size
-                row[1].extend(unit)
-                break
-        else:
-            if len(open_rows) == PACK_BUFFER:
-                fullest = min(range(len(open_rows)), key=lambda r: open_rows[r][0])
-                closed.append(open_rows.pop(fullest)[1])
-            open_rows.append([width - size, list(unit)])
-    return closed + [row[1] for row in open_rows]
-
-
 class PackSampler:
-    """Rows of whole documents (pack_plan), step n's rows drawn from (seed, n); padding ends a row.
-    pairs: the rows hold whole preference pairs (docs.pairs), chosen at even document ids."""
+    """Rows of whole documents (jaxpar.data.pack_plan), step n's rows drawn from (seed, n); padding ends a
+    row. pairs: the rows hold whole preference pairs (docs.pairs), chosen at even document ids.
+    cache: the token folder the documents come from, where the plan is kept (None: planned each time)."""
 
-    def __init__(self, docs: Documents, seq_len: int, batch_size: int, seed: int, pad_id: int = 0):
+    def __init__(self, docs: Documents, seq_len: int, batch_size: int, seed: int, pad_id: int = 0,
+                 cache: Path | None = None):
         self.docs, self.seq_len, self.batch_size, self.seed, self.pad_id = docs, seq_len, batch_size, seed, pad_id
         self.pairs = docs.pairs
-        self.rows = pack_plan(np.diff(np.concatenate([[0], docs.ends])), seq_len + 1, seed, docs.pairs)
+        self.plan = cached_pack_plan(np.diff(docs.ends, prepend=0), seq_len + 1, seed, docs.pairs, cache)
         self._starts = docs.starts
 
     def starts(self, step: int) -> np.ndarray:
@@ -94,40 +73,56 @@ class PackSampler:
 
     def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
         """`count` rows of the plan drawn with `rng`."""
-        return rng.integers(0, len(self.rows), size=count)
+        return rng.integers(0, len(self.plan), size=count)
 
     def validation_starts(self, count: int) -> dict[str, np.ndarray]:
         return {"": self.fixed_starts(count)}
 
     def fixed_starts(self, count: int) -> np.ndarray:
         """(count, batch_size) rows spread evenly over the plan (for validation)."""
-        picks = np.linspace(0, len(self.rows) - 1, count * self.batch_size).astype(np.int64)
+        picks = np.linspace(0, len(self.plan) - 1, count * self.batch_size).astype(np.int64)
         return picks.reshape(count, self.batch_size)
 
     def windows(self, row_ids: np.ndarray) -> PackedRows:
-        width, rows = self.seq_len + 1, []
-        for r in np.asarray(row_ids, np.int64):
-            tokens, segments, positions, masks = [], [], [], []
-            for segment, (doc, offset, length) in enumerate(self.rows[int(r)]):
-                begin = int(self._starts[doc]) + offset
-                tokens.append(np.asarray(self.docs.tokens[begin:begin + length]))
-                segments.append(np.full(length, segment, np.int32))
-                positions.append(np.arange(length, dtype=np.int32))
-                masks.append(np.ones(length, np.int32) if self.docs.mask is None
-                             else np.asarray(self.docs.mask[begin:begin + length], np.int32))
-            pad = width - sum(len(t) for t in tokens)
-            if pad:  # its own segment, out of the loss
-                tokens.append(np.full(pad, self.pad_id, tokens[0].dtype))
-                segments.append(np.full(pad, len(self.rows[int(r)]), np.int32))
-                positions.append(np.arange(pad, dtype=np.int32))
-                masks.append(np.zeros(pad, np.int32))
-            rows.append(tuple(np.concatenate(part) for part in (tokens, segments, positions, masks)))
-        return _stacked(rows)
+        """The rows `row_ids` of the plan: each piece a segment from position 0, then the row's padding,
+        its own last segment, out of the loss."""
+        width, rows = self.seq_len + 1, np.asarray(row_ids, np.int64)
+        pieces, counts = self.plan.pieces(rows)
+        lengths = self.plan.piece_length[pieces].astype(np.int64)
+        span_length, span_segment, is_piece = _row_spans(lengths, counts, width)
+        span_start = np.cumsum(span_length) - span_length
+        tokens = np.full(len(rows) * width, self.pad_id, np.int32)
+        mask = np.repeat(is_piece, span_length).astype(np.int32)
+        begins = self._starts[self.plan.piece_doc[pieces]] + self.plan.piece_offset[pieces]
+        for at, begin, length in zip(span_start[is_piece].tolist(), begins.tolist(), lengths.tolist()):
+            tokens[at:at + length] = np.asarray(self.docs.tokens[begin:begin + length])
+            if self.docs.mask is not None:
+                mask[at:at + length] = np.asarray(self.docs.mask[begin:begin + length])
+        positions = np.arange(len(tokens)) - np.repeat(span_start, span_length)
+        segments = np.repeat(span_segment, span_length)
+        return PackedRows(*(a.astype(np.int32).reshape(len(rows), width) for a in (tokens, segments, positions, mask)))
 
     def efficiency(self, row_ids: np.ndarray) -> float:
         """The share of these rows' token slots that hold document tokens rather than padding."""
-        used = sum(length for r in np.asarray(row_ids, np.int64) for _, _, length in self.rows[int(r)])
-        return used / (len(row_ids) * (self.seq_len + 1))
+        return self.plan.used(np.asarray(row_ids, np.int64)) / (len(row_ids) * (self.seq_len + 1))
+
+
+def _row_spans(lengths: np.ndarray, counts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Spans filling rows of `width` tokens end to end: each row's pieces (`counts` of them, of `lengths`
+    tokens), then its padding (of no tokens in a full row). (Each span's length, its segment in its row,
+    whether it is a piece.)"""
+    row_of_piece = np.repeat(np.arange(len(counts)), counts)
+    first_piece = np.cumsum(counts) - counts
+    at = np.arange(len(lengths)) + row_of_piece  # a piece's span follows its row's pieces and earlier rows' paddings
+    padding_at = first_piece + counts + np.arange(len(counts))
+    before = np.concatenate([[0], np.cumsum(lengths)])
+    span_length, span_segment = np.empty((2, len(lengths) + len(counts)), np.int64)
+    span_length[at], span_segment[at] = lengths, np.arange(len(lengths)) - first_piece[row_of_piece]
+    span_length[padding_at] = width - (before[first_piece + counts] - before[first_piece])
+    span_segment[padding_at] = counts
+    is_piece = np.zeros(len(span_length), bool)
+    is_piece[at] = True
+    return span_length, span_segment, is_piece
 
 
 def _stacked(rows: list[tuple]) -> PackedRows:
@@ -145,4 +140,5 @@ def packed_samplers(data, model, train, source: str | None = None) -> tuple:
     parts = split_documents(docs, data.val_fraction, model.seq_len)
     if data.packing == "concat":
         return tuple(ConcatSampler(p, model.seq_len, train.batch_size, train.seed) for p in parts)
-    return tuple(PackSampler(p, model.seq_len, train.batch_size, train.seed) for p in parts)
+    cache = None if source == "builtin" else Path(source)  # a token folder keeps its plans
+    return tuple(PackSampler(p, model.seq_len, train.batch_size, train.seed, cache=cache) for p in parts)

@@ -61,10 +61,9 @@ def check_pair_packing(source: str, packing: str) -> None:
                         f"in one row, not data.packing={packing}.")
 
 
-def pair_units(lengths: np.ndarray, width: int) -> list[list[tuple[int, int, int]]]:
-    """Each pair that fits a row of `width` tokens as one unit of pieces (document, offset, length):
-    its chosen document, then its rejected one, both whole. Longer pairs are left out with a warning
-    on stderr; a DataError when none fits."""
+def fitting_pairs(lengths: np.ndarray, width: int) -> np.ndarray:
+    """The pairs k (documents 2k and 2k + 1) that fit a row of `width` tokens together, in order.
+    Longer pairs are left out with a warning on stderr; a DataError when none fits."""
     lengths = np.asarray(lengths, np.int64)
     totals = lengths[0::2] + lengths[1::2]
     kept = np.flatnonzero(totals <= width)
@@ -75,4 +74,4 @@ def pair_units(lengths: np.ndarray, width: int) -> list[list[tuple[int, int, int
         print(f"jaxpar: warning: {len(totals) - len(kept)} of {len(totals)} preference pairs are longer than a row "
               f"of model.seq_len + 1 = {width} tokens and are left out (the longest has {int(totals.max())}).",
               file=sys.stderr)
-    return [[(2 * int(k), 0, int(lengths[2 * k])), (2 * int(k) + 1, 0, int(lengths[2 * k + 1]))] for k in kept]
+    return kept
