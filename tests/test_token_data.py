@@ -44,10 +44,10 @@ def test_tokenize_writes_a_lossless_folder(docs_and_tokens):
 @pytest.mark.slow
 def test_default_model_learns_from_a_tokenized_folder_with_periodic_validation(docs_and_tokens, tmp_path):
     """The quick start's model and layout (data=4 x tensor=2) end to end on a tokenized folder, at a
-    quarter of its batch (2 rows a device; in 60 steps the loss falls to 0.78x the first, as at half
-    the batch, against 0.77x at the full batch; the run took 44 s of CPU against 64 s at half the
-    batch with 8 validation batches): validation on 2 batches every 20 steps; the loss falls and the
-    run leaves its files behind. (Learning on the built-in corpus is asserted by tests/test_precision.py's
+    quarter of its batch (2 rows a device; in 60 steps the loss falls to 0.82x the first; 0.78x when
+    documents were encoded line by line, which cut the same text into 4% more tokens, each carrying less;
+    the run took 44 s of CPU against 64 s at half the batch with 8 validation batches): validation on 2
+    batches every 20 steps; the loss falls and the run leaves its files behind. (Learning on the built-in corpus is asserted by tests/test_precision.py's
     fp32 and fp16 curves.)"""
     _, tok = docs_and_tokens
     run = tmp_path / "run"
@@ -59,7 +59,7 @@ def test_default_model_learns_from_a_tokenized_folder_with_periodic_validation(d
     assert [r["step"] for r in rows] == [1, *range(5, 61, 5)]
     assert all(REQUIRED_METRICS <= set(r) for r in rows)
     assert [r["step"] for r in rows if "val_loss" in r] == [20, 40, 60]
-    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    assert rows[-1]["loss"] < 0.85 * rows[0]["loss"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val_loss"] < rows[0]["loss"] and summary["final_loss"] == rows[-1]["loss"]
     assert summary["layout"] == "data=4 tensor=2" and summary["config"]["mesh"]["tensor"] == 2
