@@ -126,6 +126,51 @@ def test_every_input_kind_gives_the_same_documents(corpus, tmp_path):
         assert np.array_equal(tokens, expected[0]) and np.array_equal(ends, expected[1]), kind
 
 
+def test_a_long_text_file_ends_its_document_however_it_is_cut(tmp_path, monkeypatch):
+    """.txt files, a document each, read in pieces cut at line ends (here every 64 bytes, so that the last
+    line of the first file crosses a cut): each ends with the end-of-document id, and decodes to its text."""
+    from tokenizers import Tokenizer
+
+    import jaxpar.data.work_units as work_units
+
+    monkeypatch.setattr(work_units, "CHUNK_BYTES", 64)
+    texts = ["short line\n" * 5 + "a last line much longer than the sixty-four bytes of a piece, with no end",
+             "the second file\n"]
+    files = [tmp_path / f"{i}.txt" for i in range(2)]
+    for path, text in zip(files, texts):
+        path.write_text(text)
+    tokenize([str(f) for f in files], str(tmp_path / "tok"), tokenizer_file=str(TOKENIZER), progress=False)
+    tokens, ends = _stream(tmp_path / "tok")
+    eod = json.loads((tmp_path / "tok" / "meta.json").read_text())["eod_id"]
+    tokenizer = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    assert len(ends) == 2 and ends[-1] == len(tokens) and tokens[ends[0] - 1] == eod == tokens[-1]
+    assert [tokenizer.decode(tokens[a:b - 1].tolist()) for a, b in zip([0, ends[0]], ends)] == texts
+
+
+def test_a_rerun_with_another_unit_size_starts_again(corpus, tmp_path, monkeypatch, capsys):
+    """Interrupted after two units, then run again with units of another size: the finished units name other
+    bytes now, so the rerun starts again, and its folder is a fresh run's."""
+    import jaxpar.data.tokenize as tokenize_module
+
+    _, _, source, _ = corpus
+    encode_units = tokenize_module.encode_units
+
+    def two_then_interrupted(encoder, units, *rest):
+        encode_units(encoder, units[:2], *rest)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tokenize_module, "encode_units", two_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _tokenize([source], tmp_path / "out")
+    monkeypatch.undo()
+    tokenize([str(source)], str(tmp_path / "out"), tokenizer_file=str(TOKENIZER), progress=False, spec=TEXT,
+             unit_bytes=2 * UNIT)
+    assert "starting again" in capsys.readouterr().err
+    tokenize([str(source)], str(tmp_path / "fresh"), tokenizer_file=str(TOKENIZER), progress=False, spec=TEXT,
+             unit_bytes=2 * UNIT)
+    assert _folder_bytes(tmp_path / "out") == _folder_bytes(tmp_path / "fresh")
+
+
 def _zstd_open(path, mode, encoding):
     import io
 
@@ -178,11 +223,13 @@ def _bad_inputs(tmp_path: Path, records: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("case", ["glob", "gzip cut short", "zstd cut short", "parquet without the field",
-                                  "shard 4/4", "shard 1"])
+                                  "shard 4/4", "shard 1", "unit-mb nan"])
 def test_bad_input_is_one_sentence_and_leaves_nothing(corpus, tmp_path, capsys, case):
     _, records, source, _ = corpus
     if case.startswith("shard"):
         inputs, words, extra = [str(source)], "--shard must be i/n with 0 <= i < n", ["--shard", case.split()[1]]
+    elif case.startswith("unit-mb"):
+        inputs, words, extra = [str(source)], "--unit-mb must be a number of MB", ["--unit-mb", "nan"]
     else:
         (inputs, words), extra = _bad_inputs(tmp_path, records[:2000])[case], []
     out = tmp_path / "out"
@@ -204,6 +251,10 @@ def test_merge_refuses_parts_of_different_tokenizers_and_training_refuses_a_part
     err = capsys.readouterr().err.strip()
     assert "was tokenized with another tokenizer" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "merged").exists()
+    (parts[1] / "tokenizer.json").unlink()
+    assert main(["tokenize", "--merge", *map(str, parts), "--out", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "it is not a whole --shard part" in err and len(err.splitlines()) == 1
     assert main(["train", "configs/tiny_test.yaml", f"data.source={parts[0]}", "model.vocab_size=512",
                  f"run.dir={tmp_path / 'run'}", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()

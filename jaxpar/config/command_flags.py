@@ -58,7 +58,7 @@ def add_tokenize_flags(p: argparse.ArgumentParser) -> None:
                         "tokenizer's own threads)")
     p.add_argument("--shard", metavar="I/N", help="do the I-th of N parts of the work (units I, I+N, ...), for N tasks "
                    "of a job array; join their --out folders with --merge")
-    p.add_argument("--unit-mb", type=float, default=8.0, metavar="MB",
+    p.add_argument("--unit-mb", type=float, default=8.0, metavar="MB",  # work_units.UNIT_BYTES
                    help="the work's unit: MB of a plain .jsonl or .txt file (other files are a unit each) that a "
                         "worker takes at a time and an interrupted run redoes (default 8)")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="join the folders of a run's --shard tasks into --out "

@@ -35,7 +35,17 @@ def new_folder(target: Path):
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write `path` whole or not at all (a temporary file beside it, renamed)."""
+    """Write `path` whole or not at all, even across a machine's crash (a temporary file beside it, on
+    disk before it is renamed)."""
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
+    write_durably(temporary, text.encode())
     os.replace(temporary, path)
+
+
+def write_durably(path: Path, data) -> None:
+    """Write `data` (bytes, or an array's buffer) to `path` and wait until it is on disk: a record written
+    after it may then say that it is complete."""
+    with open(path, "wb") as f:
+        f.write(memoryview(data))
+        f.flush()
+        os.fsync(f.fileno())

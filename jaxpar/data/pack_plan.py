@@ -139,10 +139,10 @@ def first_fit(sizes: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, in
     # units of no tokens after the last one go to the first open row and change nothing the plan reads
     padded = np.zeros(scan_length(count), np.int32)
     padded[:count] = sizes
-    try:
-        cpu = jax.devices("cpu")[0]
+    try:  # this process's own CPU (in a multi-process run jax.devices lists every process's)
+        cpu = jax.local_devices(backend="cpu")[0]
     except RuntimeError:  # JAX_PLATFORMS without the CPU: the scan runs where jax does
-        cpu = jax.devices()[0]
+        cpu = jax.local_devices()[0]
     (row_ids, within, closed), open_ids, n_open = _first_fit(jax.device_put(padded, cpu),
                                                             jax.device_put(np.int32(width), cpu))
     del padded
@@ -187,6 +187,8 @@ def cached_pack_plan(lengths: np.ndarray, width: int, seed: int, pairs: bool, fo
     if plan is None:
         plan = pack_plan(lengths, width, seed, pairs)
         write_plan(path, plan)
+    elif pairs:
+        fitting_pairs(lengths, width)  # its warning of the pairs left out, as when the plan was made
     return plan
 
 

@@ -53,8 +53,12 @@ def finish(folder: Path, plan: dict, records: list[dict], ends: list[np.ndarray]
 
 def read_units(folder: Path, indices: list[int]) -> tuple[list[dict], list[np.ndarray]]:
     """The records and document ends of the units `indices` that `folder` holds."""
-    records = [json.loads(unit_record(folder, i).read_text()) for i in indices]
-    return records, [np.fromfile(unit_ends(folder, i), np.int64) for i in indices]
+    try:
+        records = [json.loads(unit_record(folder, i).read_text()) for i in indices]
+        return records, [np.fromfile(unit_ends(folder, i), np.int64) for i in indices]
+    except (OSError, ValueError):  # json's errors are ValueErrors
+        raise DataError(f"'{folder}' lacks the record of a unit it should hold ({UNITS}/): it is not a whole "
+                        f"--shard part.") from None
 
 
 def shard_meta(plan: dict, index: int, count: int, units: list[int]) -> dict:
@@ -80,6 +84,8 @@ def merge(folders: list[str], out: str) -> dict:
             (record,), (end,) = read_units(by_unit[index], [index])
             for shard in record["shards"]:
                 for name in (shard["file"], shard.get("mask")):
+                    if name and not (by_unit[index] / name).is_file():
+                        raise DataError(f"--merge '{by_unit[index]}' lacks {name}: it is not a whole --shard part.")
                     if name:
                         _link_or_copy(by_unit[index] / name, work / name)
             records.append(record)
@@ -95,10 +101,11 @@ def _check_shards(folders: list[str], out: str) -> list[dict]:
             meta = json.loads(Path(folder, META).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             meta = None
-        if not isinstance(meta, dict) or meta.get("format") != SHARD_FORMAT:
+        if (not isinstance(meta, dict) or meta.get("format") != SHARD_FORMAT or not isinstance(meta.get("plan"), dict)
+                or not isinstance(meta.get("shard"), dict) or not isinstance(meta.get("units"), list)):
             raise DataError(f"--merge '{folder}' is not a folder that `jaxpar tokenize --shard` wrote.")
         metas.append(meta)
-    tokenizers = [hashlib.sha256(Path(folder, TOKENIZER).read_bytes()).hexdigest() for folder in folders]
+    tokenizers = [_digest(Path(folder, TOKENIZER)) for folder in folders]
     for folder, tokenizer, meta in zip(folders, tokenizers, metas):
         if tokenizer != tokenizers[0] or meta["plan"]["tokenizer_sha256"] != tokenizer:
             raise DataError(f"--merge '{folder}' was tokenized with another tokenizer than '{folders[0]}'; merge the "
@@ -115,6 +122,13 @@ def _check_shards(folders: list[str], out: str) -> list[dict]:
     if not is_free(Path(out)):
         raise DataError(f"--out '{out}' exists and is not an empty folder; choose a new one.")
     return metas
+
+
+def _digest(path: Path) -> str:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        raise DataError(f"--merge '{path.parent}' has no {path.name}: it is not a whole --shard part.") from None
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

@@ -41,6 +41,7 @@ EOD = "<|endoftext|>"
 EOS_NAMES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")  # an applied tokenizer's own, if any
 PLAIN_TEXT = DocumentSpec()  # .txt files, a document per file
 PLAN_FORMAT = "jaxpar-tokenize-plan-1"
+MIN_UNIT_BYTES = 1 << 16
 
 
 def check_tokenize_args(inputs: list[InputFile], vocab_size: int | None, out: str, tokenizer: str | None,
@@ -50,8 +51,8 @@ def check_tokenize_args(inputs: list[InputFile], vocab_size: int | None, out: st
     check_inputs(inputs, spec)
     if workers < 1:
         raise DataError(f"--workers must be at least 1, got {workers}.")
-    if unit_bytes < 1 << 16:
-        raise DataError(f"--unit-mb must be at least 0.066 (64 KiB), got {unit_bytes / 1e6:g}.")
+    if unit_bytes < MIN_UNIT_BYTES:
+        raise DataError(f"--unit-mb must be at least {MIN_UNIT_BYTES / 1e6:g}, got {unit_bytes / 1e6:g}.")
     if tokenizer is None:
         if vocab_size is None or not MIN_VOCAB <= vocab_size <= 2 ** 32:
             raise DataError(f"--vocab-size must be between {MIN_VOCAB} (the 256 bytes, the end-of-document token "
@@ -105,13 +106,15 @@ def end_of_document(tokenizer, settings: dict) -> int | None:
     return None
 
 
-def _job_key(inputs: list[InputFile], spec: DocumentSpec, vocab_size, tokenizer_file, shard_tokens, shard) -> dict:
+def _job_key(inputs: list[InputFile], spec: DocumentSpec, vocab_size, tokenizer_file, shard_tokens, shard,
+             unit_bytes: int) -> dict:
     """What decides a run's result, with the inputs' modification times: a rerun with the same key continues
     the interrupted one."""
     source = (hashlib.sha256(Path(tokenizer_file).read_bytes()).hexdigest() if tokenizer_file
               else f"trained, vocabulary {vocab_size}")
     return {"inputs": [[f.path, f.size, Path(f.path).stat().st_mtime_ns] for f in inputs], "spec": spec.__dict__,
-            "tokenizer": source, "shard_tokens": shard_tokens, "shard": list(shard) if shard else None}
+            "tokenizer": source, "shard_tokens": shard_tokens, "shard": list(shard) if shard else None,
+            "unit_bytes": unit_bytes}
 
 
 def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokenizer_file: str | None = None,
@@ -125,7 +128,8 @@ def tokenize(inputs: list[str], out: str, vocab_size: int | None = None, tokeniz
     check_tokenize_args(files, vocab_size, out, tokenizer_file, spec, shard, workers, unit_bytes)
     tokenizer_file = str(tokenizer_json(tokenizer_file)) if tokenizer_file else None
     units = plan_units(files, spec, unit_bytes)
-    partial = PartialFolder(Path(out), _job_key(files, spec, vocab_size, tokenizer_file, shard_tokens, shard))
+    partial = PartialFolder(Path(out), _job_key(files, spec, vocab_size, tokenizer_file, shard_tokens, shard,
+                                                       unit_bytes))
     with partial.opened() as work:
         if partial.tokenizer is None:  # not saved by the interrupted run this one continues
             tokenizer = (Tokenizer.from_file(tokenizer_file) if tokenizer_file

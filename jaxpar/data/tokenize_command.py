@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from jaxpar.config import ConfigError
 from jaxpar.data.document_readers import DocumentSpec
 from jaxpar.data.token_assembly import merge
-from jaxpar.data.tokenize import parse_shard, tokenize
+from jaxpar.data.tokenize import MIN_UNIT_BYTES, parse_shard, tokenize
 
 
 def run_tokenize(args: argparse.Namespace) -> int:
@@ -31,6 +32,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
                         chosen=args.field_chosen or ("chosen" if chats else None),
                         rejected=args.field_rejected or ("rejected" if chats else None))
     shard = parse_shard(args.shard) if args.shard else None
+    if not (math.isfinite(args.unit_mb) and args.unit_mb * 1e6 >= MIN_UNIT_BYTES):
+        raise ConfigError(f"--unit-mb must be a number of MB, at least {MIN_UNIT_BYTES / 1e6:g}; got {args.unit_mb:g}.")
     meta = tokenize(args.input, args.out, args.vocab_size, args.tokenizer, progress=not args.no_progress, spec=spec,
                     workers=args.workers, shard=shard, unit_bytes=int(args.unit_mb * 1e6))
     if shard:

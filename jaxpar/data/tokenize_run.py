@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 import time
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -161,7 +161,7 @@ def _encode_in_pool(encoder: UnitEncoder, units: list[WorkUnit], work: Path, wor
         futures = {pool.submit(_encode_unit, unit, work): unit for unit in units}
         pending = set(futures)
         while pending:
-            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for future in finished:
                 if future.exception() is not None:
                     for other in pending:

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxpar.data.chat import ChatFormat
 from jaxpar.data.document_readers import DocumentSpec
-from jaxpar.data.folders import write_atomically
+from jaxpar.data.folders import write_atomically, write_durably
 from jaxpar.data.work_units import WorkUnit, unit_digest, unit_documents
 
 BATCH_BYTES = 1 << 20  # text encoded per call
@@ -59,7 +59,7 @@ class UnitEncoder:
             if progress is not None:
                 progress(sum(_size(content) for content, _ in batch), writer.total - before)
         writer.flush(final=True)
-        np.asarray(ends, np.int64).tofile(unit_ends(folder, unit.index))
+        write_durably(unit_ends(folder, unit.index), np.asarray(ends, np.int64))  # on disk before the record
         result = {"shards": writer.shards, "tokens": writer.total, "sha256": unit_digest(unit)}
         write_atomically(unit_record(folder, unit.index), json.dumps(result))
         return result
@@ -139,10 +139,10 @@ class _ShardWriter:
         while len(ids) >= self.shard_tokens or (final and len(ids)):
             name = f"{self.unit:06d}-{len(self.shards):03d}.bin"
             entry = {"file": f"tokens-{name}", "tokens": int(min(len(ids), self.shard_tokens))}
-            ids[:self.shard_tokens].astype(self.dtype).tofile(self.folder / entry["file"])
+            write_durably(self.folder / entry["file"], ids[:self.shard_tokens].astype(self.dtype))
             if self.with_mask:
                 entry["mask"] = f"mask-{name}"
-                mask[:self.shard_tokens].astype(np.uint8).tofile(self.folder / entry["mask"])
+                write_durably(self.folder / entry["mask"], mask[:self.shard_tokens].astype(np.uint8))
                 mask = mask[self.shard_tokens:]
             self.shards.append(entry)
             ids = ids[self.shard_tokens:]
