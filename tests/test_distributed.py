@@ -68,9 +68,10 @@ def documented_launch() -> list[str]:
 @pytest.mark.distributed
 def test_two_processes_match_one_process_data_x_tensor(tmp_path):
     """The guide's command (2 processes x 4 devices: data=2 across them, tensor=4 inside each), with the
-    small model for 4 steps, against one process holding the 8 devices."""
+    small model for 4 steps on packed rows (each process plans them on its own CPU), against one process
+    holding the 8 devices."""
     launch = documented_launch()
-    settings = ["train.steps=4", "train.sample_tokens=8"]
+    settings = ["train.steps=4", "train.sample_tokens=8", "data.packing=pack"]
     single = _train(tmp_path / "one", *launch[launch.index("--") + 2:], *settings)
     double = _jaxpar(*launch, *TINY, *settings, f"run.dir={tmp_path / 'two'}", "--no-progress")
     assert double.returncode == 0, double.stderr[-3000:]
