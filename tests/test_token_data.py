@@ -47,8 +47,8 @@ def test_default_model_learns_from_a_tokenized_folder_with_periodic_validation(d
     quarter of its batch (2 rows a device; in 60 steps the loss falls to 0.82x the first; 0.78x when
     documents were encoded line by line, which cut the same text into 4% more tokens, each carrying less;
     the run took 44 s of CPU against 64 s at half the batch with 8 validation batches): validation on 2
-    batches every 20 steps; the loss falls and the run leaves its files behind. (Learning on the built-in corpus is asserted by tests/test_precision.py's
-    fp32 and fp16 curves.)"""
+    batches every 20 steps; the loss falls and the run leaves its files behind. (Learning on the built-in
+    corpus is asserted by tests/test_precision.py's fp32 and fp16 curves.)"""
     _, tok = docs_and_tokens
     run = tmp_path / "run"
     done = run_jaxpar_at_level_1("train", "configs/default.yaml", f"data.source={tok}", "model.vocab_size=2048",
