@@ -179,27 +179,31 @@ def _zstd_open(path, mode, encoding):
 
 @pytest.mark.slow
 def test_a_run_killed_at_random_moments_continues_to_the_same_folder(corpus, tmp_path):
-    """SIGKILL (the whole process group, as a scheduler does) at three random moments of a run; each rerun
-    continues the interrupted one and gives the one-process folder byte for byte."""
+    """SIGKILL (the whole process group, as a scheduler does) at three random moments of a run, each drawn as a
+    number of finished units (up to half of them) and a few milliseconds more, so that every run is cut short
+    however fast this machine is; each rerun continues the interrupted one and gives the uninterrupted
+    folder byte for byte."""
     root, records, _, _ = corpus
     source = _write_jsonl(tmp_path / "big.jsonl", records * 8)
     command = [sys.executable, "-m", "jaxpar", "tokenize", "--input", str(source), "--field", "text",
                "--tokenizer", str(TOKENIZER), "--unit-mb", str(UNIT / 1e6), "--no-progress"]
-    start = time.perf_counter()
     subprocess.run([*command, "--out", str(tmp_path / "whole"), "--workers", "2"], check=True, capture_output=True)
-    duration = time.perf_counter() - start
     expected = _folder_bytes(tmp_path / "whole")
+    units = sum(name.startswith("tokens-") for name in expected)  # one shard a unit here
     rng = np.random.default_rng(0)
     for attempt in range(3):
         out = tmp_path / f"killed{attempt}"
+        progress = tmp_path / f".{out.name}.partial" / "units"
         run = subprocess.Popen([*command, "--out", str(out), "--workers", "2"], start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        launched, job = time.perf_counter(), tmp_path / f".{out.name}.partial" / "units" / "job.json"
-        while not job.exists() and run.poll() is None:  # the work begins (after Python's imports)
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.9) * max(duration - (time.perf_counter() - launched), 0.0))
+        finished = int(rng.integers(0, units // 2))
+        while run.poll() is None and not ((progress / "job.json").exists()
+                                          and len(list(progress.glob("[0-9]*.json"))) >= finished):
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, 0.01))
         os.killpg(run.pid, signal.SIGKILL)
         run.wait()
+        assert not out.exists()  # cut short
         rerun = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True)
         assert rerun.returncode == 0 and "continuing the interrupted run" in rerun.stderr, rerun.stderr
         assert _folder_bytes(out) == expected
