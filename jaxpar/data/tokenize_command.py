@@ -12,6 +12,8 @@ from jaxpar.data.document_readers import DocumentSpec
 from jaxpar.data.token_assembly import merge
 from jaxpar.data.tokenize import MIN_UNIT_BYTES, parse_shard, tokenize
 
+SUMMARY_KEYS = ("vocab_size", "dtype", "tokens", "inputs_sha256")  # the JSON line that ends the output
+
 
 def run_tokenize(args: argparse.Namespace) -> int:
     """`jaxpar tokenize`: --input (a whole run, or with --shard one task's part) or --merge; prints what it wrote."""
@@ -23,7 +25,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
         print(f"{meta['tokens']:,} tokens in {meta['documents']['count']:,} documents from {len(args.merge)} shard "
               f"folders under {args.out}/; train on them with data.source={args.out} "
               f"model.vocab_size={meta['vocab_size']}")
-        print(json.dumps({k: meta[k] for k in ("vocab_size", "dtype", "tokens", "inputs_sha256")}))
+        print(json.dumps({k: meta[k] for k in SUMMARY_KEYS}))
         return 0
     field = args.field or args.column or ("messages" if args.chat else None)
     chats = args.preference and args.chat  # preference conversations: their fields default to chosen, rejected
@@ -46,5 +48,5 @@ def run_tokenize(args: argparse.Namespace) -> int:
           f"under {args.out}/; train on them with data.source={args.out} model.vocab_size={meta['vocab_size']}"
           + (" data.packing=pack train.objective=dpo (or simpo, orpo)" if spec.preference
              else " data.packing=pack (the loss is on the responses)" if spec.masked else ""))
-    print(json.dumps({k: meta[k] for k in ("vocab_size", "dtype", "tokens", "inputs_sha256")}))
+    print(json.dumps({k: meta[k] for k in SUMMARY_KEYS}))
     return 0

@@ -79,9 +79,7 @@ class PartialFolder:
         for companion in COMPANION_FILES:  # a checkpoint's tokenizer settings travel with it, for export
             if checkpoint is not None and (checkpoint / companion).is_file():
                 shutil.copyfile(checkpoint / companion, self.path / companion)
-        temporary = self.path / (TOKENIZER + ".tmp")
-        tokenizer.save(str(temporary))
-        os.replace(temporary, self.path / TOKENIZER)
+        write_atomically(self.path / TOKENIZER, tokenizer.to_str(pretty=True))  # the bytes tokenizer.save writes
         self.tokenizer = self.path / TOKENIZER
 
     def done(self, unit: WorkUnit) -> bool:

@@ -50,14 +50,14 @@ class UnitEncoder:
         is told as batches finish."""
         writer = _ShardWriter(folder, unit.index, self.dtype, self.shard_tokens, self.spec.masked)
         ends: list[int] = []
-        for batch in _batches(unit_documents(unit, self.spec)):
+        for batch, size in _batches(unit_documents(unit, self.spec)):
             before = writer.total
             for (ids, mask), (_, ends_document) in zip(self._encode(batch), batch):
                 writer.add(ids, mask)
                 if ends_document and (not ends or ends[-1] < writer.total):  # an empty document is none
                     ends.append(writer.total)
             if progress is not None:
-                progress(sum(_size(content) for content, _ in batch), writer.total - before)
+                progress(size, writer.total - before)
         writer.flush(final=True)
         write_durably(unit_ends(folder, unit.index), np.asarray(ends, np.int64))  # on disk before the record
         result = {"shards": writer.shards, "tokens": writer.total, "sha256": unit_digest(unit)}
@@ -101,16 +101,16 @@ def _size(content) -> int:
 
 
 def _batches(documents):
-    """Documents in batches of about BATCH_BYTES of text (at most BATCH_DOCUMENTS)."""
+    """(batch, its bytes of text): documents in batches of about BATCH_BYTES of text (at most BATCH_DOCUMENTS)."""
     batch, size = [], 0
     for document in documents:
         batch.append(document)
         size += _size(document[0])
         if size >= BATCH_BYTES or len(batch) == BATCH_DOCUMENTS:
-            yield batch
+            yield batch, size
             batch, size = [], 0
     if batch:
-        yield batch
+        yield batch, size
 
 
 class _ShardWriter:

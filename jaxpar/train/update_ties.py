@@ -31,7 +31,8 @@ TIE_TOLERANCE = 2.0 ** -12
 
 def _second_moments(opt_state) -> dict[str, np.ndarray]:
     """{parameter path: Adam's second moment} for every element an Adam (AdamW's, or Muon's for the weights
-    it leaves to AdamW) updates; none for Adafactor, which keeps factored statistics."""
+    it leaves to AdamW) updates; none for Adafactor, which keeps factored statistics. Only these are copied
+    from the device."""
     moments = {}
     for _, nu in optax.tree_utils.tree_get_all_with_path(opt_state, "nu"):
         moments.update({key: np.asarray(value) for key, value in flat_by_path(nu).items()})

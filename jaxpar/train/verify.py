@@ -117,7 +117,7 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
         if index < lag:
             continue
         ref_state, ref_metrics = _reference_step(reference, ref_state, waiting.pop(0), routing, metrics, index - lag)
-        ties.add(jax.device_get(ref_state.opt_state))
+        ties.add(ref_state.opt_state)
         loss, ref_loss = float(metrics["loss"]), float(ref_metrics["loss"])
         loss_errors.append(abs(loss - ref_loss) / max(abs(ref_loss), loss_floor))
         log(f"step {index + 1 - lag}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}")
