@@ -33,7 +33,7 @@ from jaxpar.train.local_copy import LocalCopies
 from jaxpar.train.model_flops import utilization
 from jaxpar.train.report import write_json_atomic, write_jsonl_atomic
 from jaxpar.train.saves import Saves, resume
-from jaxpar.train.tensorboard import TensorBoardWriter
+from jaxpar.train.sinks import MetricSinks
 from jaxpar.train.trainer import Trainer
 
 SAMPLE_PROMPT = "The "
@@ -163,14 +163,14 @@ def train(session: Session, progress: bool = True, model=None, rules=None, start
 
 class _StepLog:
     """Reads each step's metrics (after the next step is dispatched), times the step, writes the logged
-    rows to metrics.jsonl (and TensorBoard), moves the progress bar, and stops a run whose loss is no
+    rows to metrics.jsonl (and the run's other sinks), moves the progress bar, and stops a run whose loss is no
     longer finite."""
 
-    def __init__(self, session: Session, metrics_path: Path, board, bar, checkpoints: Checkpoints,
+    def __init__(self, session: Session, metrics_path: Path, sinks: MetricSinks, bar, checkpoints: Checkpoints,
                  timeline: Timeline):
         cfg = session.cfg
         self.timeline = timeline
-        self.cfg, self.metrics_path, self.board, self.bar, self.checkpoints = cfg, metrics_path, board, bar, checkpoints
+        self.cfg, self.metrics_path, self.sinks, self.bar, self.checkpoints = cfg, metrics_path, sinks, bar, checkpoints
         self.session = session
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
         # a policy with loss scaling skips non-finite steps instead
@@ -203,8 +203,7 @@ class _StepLog:
         self.records.append(record)
         if _logged(step, self.cfg) and _primary():
             append_jsonl(self.metrics_path, record)
-            if self.board is not None:
-                self.board.record(record)
+            self.sinks.record(record)
         self.bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         self.bar.update(1)
         if self.stop_on_nonfinite:
@@ -295,17 +294,15 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
         state, start = trainer.init(), 0
     logged = trainer.completed(state, start)  # 2BW: the step in flight is logged by the next one
     history = trim_metrics(metrics_path, logged, cfg) if primary else _kept_metrics(metrics_path, logged, cfg)
-    board = None
-    if cfg.run.tensorboard and primary:
-        board = TensorBoardWriter(run_dir, start)
-        cleanup.callback(board.close)
+    sinks = MetricSinks.open(cfg, run_dir, start, primary)
+    cleanup.callback(sinks.close)
     _announce(session)
     bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps), desc="train", unit="step",
                disable=not (progress and primary), file=sys.stderr, dynamic_ncols=True)
     timeline = Timeline(run_dir, primary)
     timeline.start(started, start, source, attempt=os.environ.get(ENV_ATTEMPT), devices=len(session.devices),
                    processes=jax.process_count(), layout=session.layout_name())
-    log = _StepLog(session, metrics_path, board, bar, checkpoints, timeline)
+    log = _StepLog(session, metrics_path, sinks, bar, checkpoints, timeline)
     saves = Saves(cfg, trainer, checkpoints, local, timeline, log.exclude)
     try:
         state, step, stopped_by = _run_steps(session, trainer, saves, log, state, start)
@@ -317,7 +314,7 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
         _say(f"jaxpar: stopped by {stopped_by} after step {step}; the checkpoint at step {step} is in "
              f"{checkpoints.directory}, and the same command resumes from it.")
         return {"preempted": stopped_by, "step": step, "checkpoint_dir": str(checkpoints.directory)}
-    return _summarize(session, trainer, state, history, log.records, run_dir, board)
+    return _summarize(session, trainer, state, history, log.records, run_dir, sinks)
 
 
 def _reward_summary(records: list[dict]) -> dict:
@@ -352,14 +349,14 @@ def _nonfinite_message(step: int, name: str, value: float, checkpoints: Checkpoi
 
 
 def _summarize(session: Session, trainer: Trainer, state, history: list[dict], records: list[dict],
-               run_dir: Path, board: TensorBoardWriter | None) -> dict:
-    """Validation loss, a sample, summary.json and loss.png (and the validation loss on
-    TensorBoard) for a finished run."""
+               run_dir: Path, sinks: MetricSinks) -> dict:
+    """Validation loss, a sample, summary.json and loss.png (and the validation loss and summary in the
+    run's sinks) for a finished run."""
     cfg = session.cfg
     # GRPO holds out no windows: its progress is the reward in metrics.jsonl
     val_loss = None if session.val_data is None else validation_loss(trainer, state.params, session)
-    if board is not None and val_loss is not None:
-        board.validation(cfg.train.steps, val_loss)
+    if val_loss is not None:
+        sinks.validation(cfg.train.steps, val_loss)
     # An interleaved pipeline stores its stacked layers permuted; the sampler runs the plain model.
     params = trainer.to_model_order(jax.jit(trainer.weights)(state.params))
     moe = cfg.model.moe
@@ -393,5 +390,6 @@ def _summarize(session: Session, trainer: Trainer, state, history: list[dict], r
     if _primary():
         summary.update(_utilization(session, trainer, summary["tokens_per_s_median"]))
         write_json_atomic(run_dir / "summary.json", summary)
+        sinks.summary(summary)
         plot_loss(every_step, val_loss, run_dir / "loss.png")
     return summary

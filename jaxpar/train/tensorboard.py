@@ -27,5 +27,8 @@ class TensorBoardWriter:
     def validation(self, step: int, loss: float) -> None:
         self._writer.add_scalar("validation/loss", loss, step)
 
+    def summary(self, summary: dict) -> None:
+        """Nothing more: the summary's numbers are already on the board as scalars."""
+
     def close(self) -> None:
         self._writer.close()
