@@ -23,6 +23,7 @@ META, TOKENIZER = "meta.json", "tokenizer.json"
 # a Hugging Face tokenizer's settings beside its tokenizer.json (special tokens, chat template), kept with it
 TOKENIZER_CONFIG = "tokenizer_config.json"
 COMPANION_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json")
+EOD = "<|endoftext|>"  # the end-of-document token a tokenizer jaxpar trains reserves
 FORMAT = "jaxpar-tokens-1"
 SHARD_FORMAT = "jaxpar-token-shard-1"  # one --shard task's part of a folder (jaxpar.data.token_assembly)
 DTYPES = ("uint16", "uint32")
@@ -214,6 +215,15 @@ def tokenizer_vocab(path: Path) -> int:
         raise DataError(f"{path} is not a tokenizer.json the tokenizers library wrote.") from None
 
 
+def added_token_id(path: Path, content: str) -> int | None:
+    """The id of the special token `content` among a tokenizer.json's added tokens, None without it."""
+    try:
+        added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens") or []
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        raise DataError(f"{path} is not a tokenizer.json the tokenizers library wrote.") from None
+    return next((t["id"] for t in added if isinstance(t, dict) and t.get("content") == content), None)
+
+
 class TextCodec:
     """Text <-> token ids for prompts and samples: bytes (UTF-8) for text sources, else a tokenizer
     (a tokenizer.json, or a folder holding one). Encoding adds the tokenizer's own special tokens (a
@@ -226,8 +236,15 @@ class TextCodec:
 
             self._tokenizer = Tokenizer.from_file(str(tokenizer_json(tokenizer)))
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8")) if self._tokenizer is None else self._tokenizer.encode(text).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """The ids of `text`; special=False leaves out the special tokens the tokenizer adds (a BOS)."""
+        if self._tokenizer is None:
+            return list(text.encode("utf-8"))
+        return self._tokenizer.encode(text, add_special_tokens=special).ids
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary (a special token's text), None for bytes or a token it lacks."""
+        return None if self._tokenizer is None else self._tokenizer.token_to_id(token)
 
     def decode(self, ids: list[int]) -> str:
         if self._tokenizer is None:

@@ -29,7 +29,7 @@ from jaxpar.data.document_readers import DocumentSpec, check_inputs
 from jaxpar.data.folders import is_free
 from jaxpar.data.input_files import InputFile, expand_inputs
 from jaxpar.data.token_assembly import finish, read_units, shard_meta
-from jaxpar.data.token_folder import special_token, token_dtype, tokenizer_json, tokenizer_settings
+from jaxpar.data.token_folder import EOD, special_token, token_dtype, tokenizer_json, tokenizer_settings
 from jaxpar.data.tokenize_run import PartialFolder, encode_units
 from jaxpar.data.unit_encoding import UnitEncoder
 from jaxpar.data.work_units import UNIT_BYTES, WorkUnit, plan_units, unit_documents
@@ -37,7 +37,6 @@ from jaxpar.errors import DataError
 
 SHARD_TOKENS = 1 << 24  # tokens per shard file at most (32 MiB of uint16)
 MIN_VOCAB = 258  # the 256 byte tokens, the end-of-document token and at least one merge
-EOD = "<|endoftext|>"
 EOS_NAMES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")  # an applied tokenizer's own, if any
 PLAIN_TEXT = DocumentSpec()  # .txt files, a document per file
 PLAN_FORMAT = "jaxpar-tokenize-plan-1"

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxpar.config import ModelConfig
-from jaxpar.data.token_folder import COMPANION_FILES, TOKENIZER, tokenizer_vocab
+from jaxpar.data.token_folder import COMPANION_FILES, EOD, TOKENIZER, added_token_id, tokenizer_vocab
 from jaxpar.interop.hf_config import CONFIG_FILE, CheckpointError, hf_config, read_config
 from jaxpar.interop.hf_names import TensorMap, tensor_maps
 from jaxpar.interop.safetensors import DTYPES, Checkpoint, write_checkpoint
@@ -123,7 +123,6 @@ def save_params(params, m: ModelConfig, folder: Path, dtype: str, source: Path |
     total = sum(int(np.prod(shape)) for _, shape in plan) * file_dtype.itemsize
     with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=not progress, file=sys.stderr) as bar:
         files = write_checkpoint(folder, plan, file_dtype, tensor, MAX_SHARD_BYTES, bar.update)
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     files.append(CONFIG_FILE)
     for origin, names in ((tokenizer, (TOKENIZER, *COMPANION_FILES)), (source, (GENERATION_CONFIG,))):
         for name in names:
@@ -131,9 +130,22 @@ def save_params(params, m: ModelConfig, folder: Path, dtype: str, source: Path |
                 shutil.copyfile(origin / name, folder / name)
                 files.append(name)
     if TOKENIZER in files and COMPANION_FILES[0] not in files:  # a tokenizer jaxpar trained: say what reads it
-        (folder / COMPANION_FILES[0]).write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
+        settings, eod = _trained_tokenizer_settings(folder / TOKENIZER)
+        (folder / COMPANION_FILES[0]).write_text(json.dumps(settings) + "\n")
         files.append(COMPANION_FILES[0])
+        if eod is not None and config.get("eos_token_id") is None:
+            config["eos_token_id"] = eod
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return files
+
+
+def _trained_tokenizer_settings(path: Path) -> tuple[dict, int | None]:
+    """The tokenizer_config.json of a tokenizer jaxpar trained, and its end-of-document id: its class, its
+    end-of-document token as the end of sequence (what generation stops at, and lm-eval's prefix), and its
+    decoding as the tokenizers library does it (no clean-up of spaces before punctuation)."""
+    eod = added_token_id(path, EOD)
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    return ({**settings, "eos_token": EOD} if eod is not None else settings), eod
 
 
 _SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16"}
