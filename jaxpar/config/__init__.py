@@ -126,6 +126,9 @@ class RunConfig:
     devices: int | str = "auto"
     heartbeat_timeout: float = 30.0
     tensorboard: bool = False  # also write the metrics as TensorBoard event files under <dir>/tensorboard
+    wandb: bool = False  # also log the metrics, config and summary to Weights & Biases (under <dir>/wandb)
+    wandb_project: str = "jaxpar"
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: a run folder that `wandb sync` uploads later
     elastic: bool = False  # on another device count than before: re-plan the layout, keep the global batch
 
 

@@ -1,14 +1,18 @@
 """The run's own settings: its folder and data source, seed, checkpoints, validation split, the
-mixture of tokenized folders (data.mixture), and the distributed runtime's heartbeat."""
+mixture of tokenized folders (data.mixture), the distributed runtime's heartbeat, and Weights & Biases."""
 
 from __future__ import annotations
 
-from jaxpar.config import Config
+from importlib.util import find_spec
+
+from jaxpar.config import Config, quoted
 from jaxpar.data.sources import parse_mixture
 from jaxpar.features.feature import Checks
 
 MAX_SEED = 2 ** 63 - 1  # numpy wants a non-negative seed, jax one that fits in 64 bits
 MAX_HEARTBEAT_S = 86_400  # the distributed runtime takes whole seconds in a C int
+WANDB_PROJECT_FORBIDDEN = '/\\#?%:'  # characters W&B refuses in a project name
+MAX_WANDB_PROJECT = 128
 
 
 def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
@@ -26,6 +30,17 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
     if not 0 < cfg.data.val_fraction < 1:
         yield f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}."
     yield from _mixture(cfg.data)
+    yield from _wandb(cfg.run)
+
+
+def _wandb(run) -> Checks:
+    project = run.wandb_project
+    if (not project.strip() or not project.isprintable() or len(project) > MAX_WANDB_PROJECT
+            or any(c in WANDB_PROJECT_FORBIDDEN for c in project)):
+        yield (f"run.wandb_project must be a name of 1 to {MAX_WANDB_PROJECT} printable characters without "
+               f"{' '.join(WANDB_PROJECT_FORBIDDEN)}, got {quoted(project)}.")
+    if run.wandb and find_spec("wandb") is None:
+        yield "run.wandb=true needs the wandb package, which is not installed: pip install 'jaxpar[wandb]'."
 
 
 def _mixture(data) -> Checks:

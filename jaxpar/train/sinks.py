@@ -9,6 +9,7 @@ from typing import Protocol
 
 from jaxpar.config import Config
 from jaxpar.train.tensorboard import TensorBoardWriter
+from jaxpar.train.wandb_writer import WandbWriter
 
 
 class MetricWriter(Protocol):
@@ -31,6 +32,8 @@ class MetricSinks:
     @classmethod
     def open(cls, cfg: Config, run_dir: Path, start: int, primary: bool) -> MetricSinks:
         writers: list[MetricWriter] = []
+        if primary and cfg.run.wandb:  # first: it may refuse to start (no login), before another writer opens
+            writers.append(WandbWriter(cfg, run_dir, start))
         if primary and cfg.run.tensorboard:
             writers.append(TensorBoardWriter(run_dir, start))
         return cls(writers)
