@@ -1,4 +1,4 @@
-"""The `jaxpar` command line: train, verify, plan, schedule, tokenize, export-hf, generate and launch.
+"""The `jaxpar` command line: train, verify, plan, schedule, tokenize, export-hf, generate, eval and launch.
 
 User mistakes (config, devices, data, a checkpoint that does not fit the config) end in one
 sentence on stderr and exit code 2, before anything is compiled. A training run whose loss
@@ -232,6 +232,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from jaxpar.evals import lm_eval_missing
+
+    if missing := lm_eval_missing("jaxpar eval"):
+        raise UserError(missing)
+    from jaxpar.evals.command import Request, evaluate_source
+
+    request = Request(args.tasks, args.limit, args.batch, args.out, args.step, args.num_fewshot, args.log_samples)
+    result = evaluate_source(args.source, request, args.settings, progress=not args.no_progress)
+    scores = "; ".join(f"{task} " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+                       for task, metrics in result["tasks"].items())
+    print(f"{scores}: {result['requests']} requests in {result['seconds']:.1f} s ({result['requests_per_s']:.1f}/s) "
+          f"on {result['layout']}; lm-eval's results in {result['out']}", file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from jaxpar.config.command_flags import check_launch_flags
     from jaxpar.runtime.elastic import check_restart_flags
@@ -299,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     command_flags.add_export_flags(export_hf)
     command_flags.add_generate_flags(_add_command(sub, "generate", cmd_generate, "continue prompts with a trained or "
                                                   "imported model (key/value cache; greedy or sampled)"))
+    command_flags.add_eval_flags(_add_command(sub, "eval", cmd_eval, "run lm-evaluation-harness tasks on a run's "
+                                              "checkpoint or a Hugging Face checkpoint, on a layout"))
     p = _add_command(sub, "launch", cmd_launch, "run a jaxpar command as N local processes of one distributed run",
                      usage=f"jaxpar launch --processes N [--devices-per-process K] -- "
                            f"{'|'.join(command_flags.LAUNCHABLE_COMMANDS)} ...")

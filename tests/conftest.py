@@ -23,6 +23,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # made once, by the first pro
 os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], "jaxpar-cache")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Nothing downloads at run time: lm-eval's tasks read local files only (a hub dataset fails at once).
+os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest  # noqa: E402
 

@@ -146,7 +146,7 @@ LAZY_IMPORTS = {
     "sampling/command.py", "train/model_flops.py",
     # a package only some commands need, paid for by those
     "charts.py", "plan/schedule_chart.py", "data/chat.py", "data/corpus.py", "data/input_files.py",
-    "data/token_folder.py", "data/tokenize.py", "train/tensorboard.py", "train/wandb_writer.py",
+    "data/token_folder.py", "data/tokenize.py", "train/tensorboard.py", "evals/in_loop.py", "train/wandb_writer.py",
     # mixtures import packing only when a mixture is read (at module level the chain grows by one)
     "data/mixture.py",
 }

@@ -66,6 +66,10 @@ class TrainConfig:
     clip_norm: float = 1.0
     eval_batches: int = 8
     eval_every: int = 0  # a validation loss every N steps as well (`val_loss` in its metrics line); 0: at the end only
+    # lm-eval tasks run during training (task YAMLs, configs/evals names or lm-eval's), 'T1,T2'; '' runs none
+    eval_tasks: str = ""
+    eval_tasks_every: int = 0  # run them every N steps (`eval/<task>/<metric>` in that step's row); 0: at the end only
+    eval_tasks_limit: int = 0  # documents a task at most; 0: all
     sample_tokens: int = 160  # greedy sample at the end of a run; 0 writes none
     optimizer: Literal["adamw", "adafactor", "muon"] = "adamw"
     # muon: the hidden matrices it takes, `all` or a comma list of weight names or path ends (w_qkv, mlp/w_down)

@@ -128,3 +128,22 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="the sampling seed")
     p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def add_eval_flags(p: argparse.ArgumentParser) -> None:
+    """`jaxpar eval`'s flags: the model, the tasks, and how they run."""
+    p.add_argument("source", metavar="RUN_DIR|HF_DIR", help="a run's folder (its newest checkpoint, or --step) or a "
+                                                           "Hugging Face checkpoint folder")
+    p.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="the layout, as for train (mesh.data=4 "
+                   "mesh.tensor=2, parallel.zero=3, train.precision=fp32)")
+    p.add_argument("--tasks", required=True, metavar="T1,T2", help="task YAML files, jaxpar's own tasks "
+                   "(configs/evals: colors_mc, colors_qa) or names lm-eval knows (hellaswag, arc_easy, ...)")
+    p.add_argument("--limit", type=int, help="documents a task at most (default: all)")
+    p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
+    p.add_argument("--batch", type=int, default=8, help="rows a batch, a multiple of mesh.data x mesh.expert "
+                                                       "(default 8)")
+    p.add_argument("--out", metavar="FILE.json", help="where lm-eval's results JSON goes (default: "
+                   "RUN_DIR/eval/results-step<N>.json, or eval-results.json for a Hugging Face folder)")
+    p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON")
+    p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")

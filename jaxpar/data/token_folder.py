@@ -24,6 +24,7 @@ META, TOKENIZER = "meta.json", "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 COMPANION_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json")
 EOD = "<|endoftext|>"  # the end-of-document token a tokenizer jaxpar trains reserves
+EOS_NAMES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")  # an applied tokenizer's own, if any
 FORMAT = "jaxpar-tokens-1"
 SHARD_FORMAT = "jaxpar-token-shard-1"  # one --shard task's part of a folder (jaxpar.data.token_assembly)
 DTYPES = ("uint16", "uint32")
@@ -213,6 +214,16 @@ def tokenizer_vocab(path: Path) -> int:
         return max([*ids, *added], default=-1) + 1
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
         raise DataError(f"{path} is not a tokenizer.json the tokenizers library wrote.") from None
+
+
+def end_of_document(tokenizer, settings: dict) -> int | None:
+    """The id that ends every document: a trained tokenizer's EOD, else the applied tokenizer's
+    end-of-sequence token (its settings' eos_token, else a usual name), else None."""
+    eos = special_token(settings, "eos_token")
+    for name in ([eos] if eos else []) + list(EOS_NAMES):
+        if tokenizer.token_to_id(name) is not None:
+            return tokenizer.token_to_id(name)
+    return None
 
 
 def added_token_id(path: Path, content: str) -> int | None:

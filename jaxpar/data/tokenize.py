@@ -29,7 +29,7 @@ from jaxpar.data.document_readers import DocumentSpec, check_inputs
 from jaxpar.data.folders import is_free
 from jaxpar.data.input_files import InputFile, expand_inputs
 from jaxpar.data.token_assembly import finish, read_units, shard_meta
-from jaxpar.data.token_folder import EOD, special_token, token_dtype, tokenizer_json, tokenizer_settings
+from jaxpar.data.token_folder import EOD, end_of_document, token_dtype, tokenizer_json, tokenizer_settings
 from jaxpar.data.tokenize_run import PartialFolder, encode_units
 from jaxpar.data.unit_encoding import UnitEncoder
 from jaxpar.data.work_units import UNIT_BYTES, WorkUnit, plan_units, unit_documents
@@ -37,7 +37,6 @@ from jaxpar.errors import DataError
 
 SHARD_TOKENS = 1 << 24  # tokens per shard file at most (32 MiB of uint16)
 MIN_VOCAB = 258  # the 256 byte tokens, the end-of-document token and at least one merge
-EOS_NAMES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")  # an applied tokenizer's own, if any
 PLAIN_TEXT = DocumentSpec()  # .txt files, a document per file
 PLAN_FORMAT = "jaxpar-tokenize-plan-1"
 MIN_UNIT_BYTES = 1 << 16
@@ -93,16 +92,6 @@ def _train(units: list[WorkUnit], vocab_size: int, progress: bool, spec: Documen
 
     tokenizer.train_from_iterator(texts(), trainer)
     return tokenizer
-
-
-def end_of_document(tokenizer, settings: dict) -> int | None:
-    """The id that ends every document: a trained tokenizer's EOD, else the applied tokenizer's
-    end-of-sequence token (its settings' eos_token, else a usual name), else None."""
-    eos = special_token(settings, "eos_token")
-    for name in ([eos] if eos else []) + list(EOS_NAMES):
-        if tokenizer.token_to_id(name) is not None:
-            return tokenizer.token_to_id(name)
-    return None
 
 
 def _job_key(inputs: list[InputFile], spec: DocumentSpec, vocab_size, tokenizer_file, shard_tokens, shard,

@@ -17,6 +17,7 @@ from jaxpar.features import (
     adapters,
     context,
     data,
+    evals,
     experts,
     local_sgd,
     mla,
@@ -33,7 +34,7 @@ from jaxpar.features import (
 from jaxpar.features.feature import KEEP, Checks, Switch, first
 
 FEATURES = (run, model, mla, tensor, context, training, data, pipeline, experts, mtp, offload, local_sgd,
-            precision, adapters, rl)
+            precision, adapters, rl, evals)
 NAMED = (pipeline, data, context, tensor, local_sgd, offload, model, training, precision, experts, adapters)
 DERIVED = (training, experts)  # in this order: the automatic loss chunks count the tokens per device
 RULES = (context, tensor)  # in this order: sequence parallelism splits each context slice

@@ -30,12 +30,14 @@ LAYOUT_SECTIONS = ("mesh.", "parallel.", "run.devices", "train.precision")
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     """A model on its layout: the trainer that laid it out, its weights (model order), the folder of its
-    tokenizer (None: bytes) and the folder naming its end tokens (a Hugging Face checkpoint's, or None)."""
+    tokenizer (None: bytes), the folder naming its end tokens (a Hugging Face checkpoint's, or None) and the
+    run's checkpoint step (None for a Hugging Face folder)."""
 
     trainer: Trainer
     params: nnx.State
     tokenizer: Path | None
     origin: Path | None
+    step: int | None
 
 
 def layout_overrides(settings: list[str]) -> dict[str, str]:
@@ -59,7 +61,8 @@ def load_model(source: str, step: int | None, settings: list[str], batch: int, w
         raise UserError(f"--batch {batch} must split evenly over the mesh's rows (mesh.data x mesh.expert "
                         f"= {sizes['data']} x {sizes['expert']}).")
     trainer = Trainer(on_devices(cfg, devices))
-    return LoadedModel(trainer, _weights(trainer, saved), tokenizer_folder(cfg.data, str(tokenizer or "")), origin)
+    return LoadedModel(trainer, _weights(trainer, saved), tokenizer_folder(cfg.data, str(tokenizer or "")), origin,
+                       None if saved is None else saved[1])
 
 
 def _resolve(source: str, step: int | None, overrides: dict[str, str]):

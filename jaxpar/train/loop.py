@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from jaxpar.data.sources import token_source
 from jaxpar.data.token_folder import is_token_folder
+from jaxpar.evals.in_loop import TaskEvals
 from jaxpar.runtime.distributed import ENV_ATTEMPT, StopAgreement, is_secondary
 from jaxpar.runtime.elastic import record_rows
 from jaxpar.runtime.goodput import Timeline
@@ -87,10 +88,11 @@ def _warn(message: str) -> None:
 def _logged(step: int, cfg) -> bool:
     """Whether step `step` gets a metrics.jsonl line: every log_every steps, plus the first and the last,
     under local SGD every synchronizing step (with the replicas' spread), and every step that measures
-    the validation loss (train.eval_every)."""
+    the validation loss (train.eval_every) or runs the tasks (train.eval_tasks_every)."""
     t, sync_every = cfg.train, cfg.parallel.sync_every
     return (step % t.log_every == 0 or step in (1, t.steps) or (sync_every > 1 and step % sync_every == 0)
-            or _evaluated(step, t))
+            or _evaluated(step, t) or (bool(t.eval_tasks) and bool(t.eval_tasks_every)
+                                       and step % t.eval_tasks_every == 0))
 
 
 def _evaluated(step: int, t) -> bool:
@@ -149,14 +151,15 @@ class _StepLog:
         self.records: list[dict] = []
         self.last_time = time.perf_counter()
 
-    def finish(self, step: int, metrics, val_losses=None, rows: dict | None = None) -> None:
+    def finish(self, step: int, metrics, val_losses=None, rows: dict | None = None, scores: dict | None = None) -> None:
         """Read and log step `step`'s metrics; `rows`: what the host knows of packed rows (their
         packing_efficiency, the share of token slots holding document tokens, which tokens/s counts
-        alone; a mixture's share/<folder>)."""
+        alone; a mixture's share/<folder>); `scores`: the tasks' metrics (train.eval_tasks)."""
         values = {k: v.tolist() for k, v in jax.device_get(metrics).items()}  # scalars, or lists (per expert)
         values.pop("completed", None)  # 2BW: whether a step completed the previous one (jaxpar.train.two_bw_step)
         if val_losses is not None:
             values.update(validation_metrics(val_losses, self.session))
+        values.update(scores or {})
         if "source_loss" in values:  # a mixture: each source's mean loss over its counted targets
             losses, targets = values.pop("source_loss"), values.pop("source_targets")
             values.update({f"loss/{name}": loss / count for (name, _), loss, count
@@ -201,7 +204,8 @@ def _announce(session: Session) -> None:
          f"({len(session.devices)} {session.devices[0].platform} devices{processes}), {cfg.train.steps} steps")
 
 
-def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, state, start: int):
+def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, state, start: int,
+               evals: TaskEvals):
     """Train from step `start` to train.steps, saving as `saves` says and at the end; returns (state, the last
     step taken, the signal that stopped the run or None)."""
     t = session.cfg.train
@@ -222,7 +226,8 @@ def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, 
                 done = 0  # the first step after a start or a drain only fills the pipeline
             # dispatched now, on the weights of step `done`; read with its metrics
             val = validation_losses(trainer, state.params, session) if done and _evaluated(done, t) else None
-            pending = (done, metrics, val, previous_rows if trainer.lags else rows) if done else None
+            scores = _task_scores(evals, log, state, done)
+            pending = (done, metrics, val, previous_rows if trainer.lags else rows, scores) if done else None
             previous_rows = rows
             stopping = agreement.should_stop(step, signals.received is not None)
             stopping = stopping and not (trainer.lags and step == t.steps)  # 2BW: the drain finishes the run
@@ -241,14 +246,24 @@ def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, 
         if trainer.lags:  # the drain finishes the last step: its update and metrics
             state, metrics = trainer.drain(state)
             val = validation_losses(trainer, state.params, session) if _evaluated(t.steps, t) else None
-            log.finish(t.steps, metrics, val, previous_rows)
+            log.finish(t.steps, metrics, val, previous_rows, _task_scores(evals, log, state, t.steps))
         saves.final(t.steps, state)
     return state, step, stopped_by
+
+
+def _task_scores(evals: TaskEvals, log: _StepLog, state, step: int) -> dict | None:
+    """The tasks' metrics when step `step` runs them (their time left out of the step's), else None."""
+    if not (step and evals.due(step)):
+        return None
+    scores, seconds = evals.run(state.params)
+    log.exclude(seconds)
+    return scores
 
 
 def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progress: bool,
            cleanup: contextlib.ExitStack, started: float) -> dict:
     cfg = session.cfg
+    evals = TaskEvals(session, trainer)  # the tasks' datasets read before anything compiles
     run_dir = Path(cfg.run.dir)
     local = LocalCopies(run_dir, cfg.checkpoint.local_every)
     resumed, source, where = resume(checkpoints, local, trainer, _warn)
@@ -276,7 +291,7 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
     log = _StepLog(session, metrics_path, sinks, bar, checkpoints, timeline)
     saves = Saves(cfg, trainer, checkpoints, local, timeline, log.exclude)
     try:
-        state, step, stopped_by = _run_steps(session, trainer, saves, log, state, start)
+        state, step, stopped_by = _run_steps(session, trainer, saves, log, state, start, evals)
     finally:
         bar.close()
     saves.done()

@@ -1,0 +1,94 @@
+"""`jaxpar eval SOURCE --tasks T1,T2 [--limit N] [--batch B] [--out FILE] [key=value ...]`: lm-eval tasks on a
+run's checkpoint (or a Hugging Face checkpoint) laid out as the overrides say, and `evaluate_model`, the same
+on a live model from Python.
+
+The tasks are read first (an unknown name or an unreadable dataset is one sentence before any weights load),
+then the model is laid out and lm-eval's evaluator runs it through jaxpar.evals.harness.JaxparLM. The results
+are lm-eval's own JSON (`lm_eval.simple_evaluate`'s dict), written to --out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from flax import nnx
+from lm_eval.utils import handle_non_serializable
+
+from jaxpar.config import Config
+from jaxpar.config.precision import of as precision_of
+from jaxpar.data.folders import write_atomically
+from jaxpar.data.token_folder import tokenizer_folder
+from jaxpar.errors import UserError
+from jaxpar.evals.harness import EvalModel, JaxparLM
+from jaxpar.evals.tasks import evaluate, load_tasks, parse_tasks
+from jaxpar.sampling.command import stop_ids
+from jaxpar.sampling.model_source import load_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What to evaluate: tasks ('T1,T2'), documents a task at most (None: all), rows a batch, where the JSON
+    goes (None: <run>/eval/results-step<N>.json, or eval-results.json here for a Hugging Face folder),
+    the checkpoint step, few-shot examples (None: each task's own) and whether to keep every request."""
+
+    tasks: str
+    limit: int | None = None
+    batch: int = 8
+    out: str | None = None
+    step: int | None = None
+    num_fewshot: int | None = None
+    log_samples: bool = False
+
+
+def evaluate_source(source: str, request: Request, settings: list[str] = (), progress: bool = True) -> dict:
+    """Run request.tasks on `source`'s model; write lm-eval's JSON and return the summary."""
+    if request.limit is not None and request.limit < 1:
+        raise UserError(f"--limit must be at least 1, got {request.limit}.")
+    tasks = load_tasks(parse_tasks(request.tasks))
+    loaded = load_model(source, request.step, list(settings), request.batch, "evaluation")
+    trainer = loaded.trainer
+    model = EvalModel(trainer.graphdef, loaded.params, trainer.cfg.model, trainer.session.precision, trainer.layout,
+                      loaded.tokenizer, stop_ids(loaded.origin), request.batch)
+    lm = JaxparLM(model, progress)
+    started = time.perf_counter()
+    results = evaluate(lm, tasks, request.limit, request.num_fewshot, request.log_samples, quiet=not progress)
+    seconds = time.perf_counter() - started
+    out = Path(request.out or _default_out(source, loaded.step))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(out, json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+    return {"tasks": task_metrics(results), "requests": lm.requests, "seconds": seconds,
+            "requests_per_s": lm.requests / seconds, "layout": trainer.session.mesh_name(), "out": str(out)}
+
+
+def evaluate_model(model: nnx.Module, config: Config, tasks: str, limit: int | None = None, batch: int = 8,
+                   tokenizer: str | Path | None = None, log_samples: bool = False) -> dict:
+    """lm-eval's results dict for `tasks` ('T1,T2') on a live jaxpar model of `config` (its weights where they
+    are: one device, or sharded). The tokenizer is the one the config trains with (data.source's tokenized
+    folder, or model.from_hf's), unless `tokenizer` names a folder."""
+    graphdef, params = nnx.split(model)
+    folder = Path(tokenizer) if tokenizer is not None else tokenizer_folder(config.data, config.model.from_hf)
+    eval_model = EvalModel(graphdef, params, config.model, precision_of(config), None, folder, batch=batch)
+    return evaluate(JaxparLM(eval_model), load_tasks(parse_tasks(tasks)), limit, log_samples=log_samples)
+
+
+def task_metrics(results: dict) -> dict[str, dict[str, float]]:
+    """Each task's numeric metrics ('acc', 'exact_match', a filter's as 'metric,filter'), standard errors left
+    out."""
+    metrics = {}
+    for task, values in results["results"].items():
+        metrics[task] = {_metric_name(key): float(value) for key, value in values.items()
+                         if "," in key and "_stderr" not in key and isinstance(value, (int, float))}
+    return metrics
+
+
+def _metric_name(key: str) -> str:
+    metric, _, filter_name = key.partition(",")
+    return metric if filter_name == "none" else key
+
+
+def _default_out(source: str, step: int | None) -> str:
+    """A run's eval/results-step<N>.json, or eval-results.json here for a Hugging Face folder."""
+    return "eval-results.json" if step is None else str(Path(source) / "eval" / f"results-step{step}.json")

@@ -1,0 +1,181 @@
+"""lm-evaluation-harness's `LM` interface on a jaxpar model (registered as lm-eval's model `jaxpar`).
+
+Requests are tokenized and cut as lm-eval's own Hugging Face backend does (its `TemplateLM` pairs, the same
+left truncation, the same rolling windows, the same stop sequences), so the two agree on the same weights:
+  - loglikelihood: jaxpar.evals.scoring's compiled program, rows sorted by length and batched;
+  - loglikelihood_rolling: the text's disjoint windows of the model's length, scored the same way;
+  - generate_until: jaxpar.sampling.batched's generator (greedy unless do_sample), prompts sorted by
+    length, each batch's prompt slots a power of two, then the text cut at the first stop sequence.
+The prefix of an empty context (and of a rolling window) is the tokenizer's BOS, else its end-of-sequence
+token; a model of bytes has neither and takes the newline byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from flax import nnx
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from jaxpar.config import ModelConfig
+from jaxpar.config.precision import PrecisionPolicy
+from jaxpar.data.token_folder import TextCodec, end_of_document, special_token, tokenizer_settings
+from jaxpar.errors import UserError
+from jaxpar.evals.scoring import TokenScorer, bucket, request_row
+from jaxpar.parallel.layout import Layout
+from jaxpar.sampling.batched import BatchedGenerator, Shape
+from jaxpar.sampling.choice import Sampling
+
+BYTE_PREFIX = ord("\n")  # a model of bytes: what an empty context starts from
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's Hugging Face backend's, for requests that name none
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalModel:
+    """What evaluation runs: the model's graph and weights (model order, on the layout's shardings, or on
+    one device with no layout), its shape and precision, its tokenizer's folder (None: bytes), the end
+    tokens generation stops at, and the rows of a batch (a multiple of the mesh's data x expert)."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    model_cfg: ModelConfig
+    precision: PrecisionPolicy
+    layout: Layout | None
+    tokenizer: Path | None
+    stop_ids: frozenset[int] = frozenset()
+    batch: int = 8
+
+
+@register_model("jaxpar")
+class JaxparLM(TemplateLM):
+    """An lm-eval model over an EvalModel. `requests` and `seconds` count what it has answered."""
+
+    def __init__(self, model: EvalModel, progress: bool = False):
+        super().__init__()
+        self.model, self.progress = model, progress
+        self.codec = TextCodec(model.tokenizer)
+        self._eot, self._prefix = _special_ids(self.codec, model.tokenizer)
+        # lm-eval stops every generation at the end of sequence too (its Hugging Face backend adds it)
+        self._stop_ids = model.stop_ids | ({self._eot} if self._eot is not None else set())
+        self._prefix_text = None if model.tokenizer is None else self.codec.decode([self._prefix])
+        self.scorer = TokenScorer(model.graphdef, model.model_cfg, model.precision, model.batch, model.layout)
+        self._generators: dict[tuple, BatchedGenerator] = {}
+        self.requests, self.seconds = 0, 0.0
+
+    @property
+    def eot_token_id(self) -> int | None:
+        return self._eot
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self._prefix
+
+    @property
+    def max_length(self) -> int:
+        return self.model.model_cfg.seq_len
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """As the Hugging Face backend: the tokenizer's special tokens, unless the text starts with its own."""
+        if add_special_tokens is None:
+            add_special_tokens = not (self._prefix_text and has_bos_prefix(string, self._prefix_text))
+        return self.codec.encode(string, special=add_special_tokens)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        started = time.perf_counter()
+        rows = [request_row(context, continuation, self.max_length) for _, context, continuation in requests]
+        scored = self.scorer(self.model.params, rows)
+        self._count(len(requests), started)
+        return [(s.loglikelihood, s.is_greedy) for s in scored]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each text's log-likelihood: the sum over its disjoint windows of max_length tokens."""
+        windows, owners = [], []
+        for index, request in enumerate(requests):
+            tokens = self.tok_encode(request.args[0])
+            for window in get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1):
+                windows.append((None, *make_disjoint_window(window)))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for owner, (loglikelihood, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[owner] += loglikelihood
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Each request's generation, grouped by its settings and sorted longest first."""
+        started = time.perf_counter()
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
+        out: list[str | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc="generate", unit="request", disable=not self.progress) as bar:
+            for indices in groups.values():
+                for index, text in self._generate_group([requests[i].args[0] for i in indices],
+                                                        requests[indices[0]].args[1], indices):
+                    out[index] = text
+                    bar.update(1)
+        self._count(len(requests), started)
+        return out
+
+    def _generate_group(self, contexts: list[str], gen_kwargs: dict, indices: list[int]):
+        """(request index, text) for contexts of the same generation settings."""
+        kwargs = normalize_gen_kwargs(gen_kwargs, DEFAULT_MAX_GEN_TOKS)
+        eos = None if self._eot is None else self.codec.decode([self._eot])
+        until, new_tokens = handle_stop_sequences(kwargs.pop("until", None), eos or None), kwargs.pop("max_gen_toks")
+        if new_tokens >= self.max_length:
+            raise UserError(f"a task asks for {new_tokens} new tokens, but the model's context is "
+                            f"{self.max_length} tokens.")
+        prompts = [self.tok_encode(c)[-(self.max_length - new_tokens):] for c in contexts]
+        order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), contexts[i]))
+        sampling = _sampling(kwargs)
+        for first in range(0, len(order), self.model.batch):
+            chunk = order[first:first + self.model.batch]
+            slots = bucket(len(prompts[chunk[0]]), self.max_length - new_tokens)
+            generator = self._generator(Shape(self.model.batch, slots, new_tokens), sampling)
+            for i, ids in zip(chunk, generator(self.model.params, [prompts[i] for i in chunk],
+                                               [indices[i] for i in chunk])):
+                yield indices[i], postprocess_generated_text(self.codec.decode(ids), until, None)
+
+    def _generator(self, shape: Shape, sampling: Sampling) -> BatchedGenerator:
+        key = (shape, sampling)
+        if key not in self._generators:
+            m = self.model
+            self._generators[key] = BatchedGenerator(m.graphdef, m.model_cfg, m.precision, shape, sampling,
+                                                     frozenset(self._stop_ids), m.layout)
+        return self._generators[key]
+
+    def _count(self, requests: int, started: float) -> None:
+        self.requests += requests
+        self.seconds += time.perf_counter() - started
+
+
+def _sampling(kwargs: dict) -> Sampling:
+    """Greedy, unless the task samples (do_sample with a temperature)."""
+    if not kwargs.get("do_sample") or not kwargs.get("temperature"):
+        return Sampling()
+    return Sampling(float(kwargs["temperature"]), int(kwargs.get("top_k") or 0), float(kwargs.get("top_p") or 1.0))
+
+
+def _special_ids(codec: TextCodec, tokenizer: Path | None) -> tuple[int | None, int]:
+    """(the end-of-sequence id or None, the prefix of an empty context) as the Hugging Face backend picks
+    them: the BOS when the tokenizer has one, else the end of sequence."""
+    if tokenizer is None:
+        return None, BYTE_PREFIX
+    settings = tokenizer_settings(tokenizer)
+    eot = end_of_document(codec, settings)
+    bos = special_token(settings, "bos_token")
+    prefix = codec.token_to_id(bos) if bos else None
+    prefix = eot if prefix is None else prefix
+    if prefix is None:
+        raise UserError(f"the tokenizer in {tokenizer} has neither a BOS nor an end-of-sequence token, so an "
+                        f"empty context has nothing to start from.")
+    return eot, prefix

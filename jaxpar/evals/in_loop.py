@@ -1,0 +1,72 @@
+"""train.eval_tasks: lm-eval tasks run during training, every train.eval_tasks_every steps (0: at the last step
+only), on the weights of that step where the training state holds them, their metrics logged in that step's
+metrics row as `eval/<task>/<metric>`.
+
+The tasks and their datasets are read when the run starts (one sentence for an unknown task or an unreadable
+dataset, before the first step); the rows of a batch are the mesh's data x expert rows, repeated to at least
+MIN_ROWS. lm-eval is imported only by a run that names tasks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from pathlib import Path
+
+import jax
+
+from jaxpar.data.token_folder import tokenizer_folder
+from jaxpar.sampling.command import stop_ids
+from jaxpar.session import Session
+from jaxpar.train.trainer import Trainer
+
+MIN_ROWS = 8
+
+
+class TaskEvals:
+    """due(step): whether step `step` runs the tasks; run(params) -> ({'eval/<task>/<metric>': value}, seconds
+    the tasks took once the step had finished)."""
+
+    def __init__(self, session: Session, trainer: Trainer):
+        t = session.cfg.train
+        self.trainer, self.every, self.last, self.limit = trainer, t.eval_tasks_every, t.steps, t.eval_tasks_limit
+        self.active = bool(t.eval_tasks)
+        if self.active:
+            self.tasks, self.lm = _open(session, trainer)
+
+    def due(self, step: int) -> bool:
+        return self.active and (step % self.every == 0 if self.every else step == self.last)
+
+    def run(self, params) -> tuple[dict[str, float], float]:
+        from jaxpar.evals.command import task_metrics
+        from jaxpar.evals.tasks import evaluate
+
+        weights = self.trainer.to_model_order(self._weights(params))
+        jax.block_until_ready(weights)  # the step's own time stays the step's
+        started = time.perf_counter()
+        self.lm.model = dataclasses.replace(self.lm.model, params=weights)
+        results = evaluate(self.lm, self.tasks, self.limit or None, quiet=True)
+        scores = {f"eval/{task}/{metric}": value for task, metrics in task_metrics(results).items()
+                  for metric, value in metrics.items()}
+        return scores, time.perf_counter() - started
+
+    @functools.cached_property
+    def _weights(self):
+        return jax.jit(self.trainer.weights)
+
+
+def _open(session: Session, trainer: Trainer):
+    """(the tasks, their datasets read; the lm-eval model, its weights set before each run)."""
+    from jaxpar.evals.harness import EvalModel, JaxparLM
+    from jaxpar.evals.tasks import load_tasks, parse_tasks
+
+    cfg = session.cfg
+    tasks = load_tasks(parse_tasks(cfg.train.eval_tasks))
+    rows = session.mesh_sizes["data"] * session.mesh_sizes["expert"]
+    origin = Path(cfg.model.from_hf) if cfg.model.from_hf else None
+    batch = rows * math.ceil(MIN_ROWS / rows)
+    model = EvalModel(trainer.graphdef, None, cfg.model, session.precision, trainer.layout,
+                      tokenizer_folder(cfg.data, cfg.model.from_hf), stop_ids(origin), batch)
+    return tasks, JaxparLM(model)

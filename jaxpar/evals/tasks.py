@@ -1,0 +1,112 @@
+"""Which lm-eval tasks to run, and running them.
+
+A task is named three ways: a path to a task YAML of your own, the name of one of jaxpar's own tasks
+(configs/evals/<name>.yaml), or a name lm-eval knows (its registry: hellaswag, arc_easy, mmlu, ...). A YAML's
+relative `dataset_kwargs.data_files` are read from its own folder, so a task and its JSONL travel together
+and run offline. An unknown name gets the closest names lm-eval knows; a task whose dataset cannot be read
+(offline, or a file that is not there) gets one sentence, before any model runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import io
+import logging
+from pathlib import Path
+
+import lm_eval
+from lm_eval.api.task import Task
+from lm_eval.tasks import TaskManager
+from lm_eval.tasks._yaml_loader import load_yaml
+
+from jaxpar.config import CONFIG_DIR
+from jaxpar.errors import UserError
+
+OWN_TASKS = CONFIG_DIR / "evals"
+YAML = (".yaml", ".yml")
+
+
+def parse_tasks(text: str) -> list[str]:
+    """'T1,T2' as task names or paths; one sentence for an empty list."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise UserError("give at least one task: --tasks NAME[,NAME...] (a task YAML, or a name lm-eval knows).")
+    return names
+
+
+def load_tasks(names: list[str]) -> list[Task]:
+    """The lm-eval tasks of `names` (YAML paths, jaxpar's own names, lm-eval's names), their datasets read."""
+    return [task for name in names for task in _load(name)]
+
+
+def _load(name: str) -> list[Task]:
+    spec = _spec(name)
+    manager = TaskManager(include_defaults=False) if isinstance(spec, dict) else _registry()
+    try:
+        loaded = manager.load(spec)["tasks"]
+    except OSError as e:  # a file that is not there, no connection, offline mode: datasets' errors are OSErrors
+        raise UserError(f"the dataset of task {name} cannot be read ({_first_line(e)}); offline, a task reads a "
+                        f"local file (dataset_path: json with dataset_kwargs.data_files).") from None
+    return list(loaded.values())
+
+
+def _spec(name: str) -> str | dict:
+    """A YAML (given, or jaxpar's own) as its config with data files found beside it; else the name."""
+    path = Path(name)
+    if name.endswith(YAML) or path.is_file():
+        if not path.is_file():
+            raise UserError(f"the task file {name} does not exist.")
+        return _config(path)
+    if (OWN_TASKS / f"{name}.yaml").is_file():
+        return _config(OWN_TASKS / f"{name}.yaml")
+    known = _registry().all_tasks
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f"; the closest are {', '.join(close)}" if close else ""
+        raise UserError(f"lm-eval has no task {name!r}{hint} (or give a path to a task YAML).")
+    return name
+
+
+def _config(path: Path) -> dict:
+    try:
+        config = load_yaml(path)
+    except (OSError, ValueError, ImportError) as e:
+        raise UserError(f"the task file {path} cannot be read ({_first_line(e)}).") from None
+    if not isinstance(config.get("task"), str):
+        raise UserError(f"the task file {path} names no task (a 'task:' line).")
+    files = (config.get("dataset_kwargs") or {}).get("data_files")
+    if files is not None:
+        config["dataset_kwargs"] = {**config["dataset_kwargs"], "data_files": _beside(files, path.parent)}
+    return config
+
+
+def _beside(files, folder: Path):
+    """data_files (a path, a list, or a split -> path(s) mapping) with relative paths read from `folder`."""
+    if isinstance(files, dict):
+        return {split: _beside(f, folder) for split, f in files.items()}
+    if isinstance(files, list):
+        return [_beside(f, folder) for f in files]
+    return str(folder / files) if isinstance(files, str) and "://" not in files else files
+
+
+@functools.cache
+def _registry() -> TaskManager:
+    """lm-eval's index of its own tasks (a few seconds to build, so only when a name needs it)."""
+    return TaskManager()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0].rstrip(".") if text else type(error).__name__
+
+
+def evaluate(lm, tasks: list[Task], limit: int | None = None, num_fewshot: int | None = None,
+             log_samples: bool = False, quiet: bool = False) -> dict:
+    """lm-eval's simple_evaluate of `tasks` with `lm`: its results dict (with the samples if asked). quiet:
+    without lm-eval's progress bars (it has no switch for them; its warnings still show, through logging)."""
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
+                                       log_samples=log_samples, task_manager=TaskManager(include_defaults=False))

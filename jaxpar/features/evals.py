@@ -1,0 +1,34 @@
+"""Task evaluations during training (train.eval_tasks, train.eval_tasks_every, train.eval_tasks_limit): what a
+config gets wrong about them, in one sentence each, before jax starts. Which tasks exist and whether their
+datasets read is known only to lm-eval, when the run starts (jaxpar.evals.in_loop)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxpar.config import Config
+from jaxpar.evals import lm_eval_missing
+from jaxpar.features.feature import Checks
+
+SWITCHES = ()
+
+
+def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
+    t = cfg.train
+    for key in ("eval_tasks_every", "eval_tasks_limit"):
+        if getattr(t, key) < 0:
+            yield f"train.{key} must be 0 or positive, got {getattr(t, key)}."
+    if not t.eval_tasks.strip():
+        if t.eval_tasks_every or t.eval_tasks_limit:
+            yield "train.eval_tasks_every and train.eval_tasks_limit set how train.eval_tasks run; name the tasks."
+        return
+    if missing := lm_eval_missing("train.eval_tasks"):
+        yield missing
+    for name in (n.strip() for n in t.eval_tasks.split(",")):
+        if name.endswith((".yaml", ".yml")) and not Path(name).is_file():
+            yield f"train.eval_tasks names the task file {name}, which does not exist."
+    if sizes.get("stage", 1) > 1 or sizes.get("context", 1) > 1:
+        yield "train.eval_tasks runs on meshes without stages or context parallelism; set mesh.stage=1 and " \
+              "mesh.context=1, or evaluate the checkpoints with jaxpar eval."
+    if cfg.model.moe.experts and cfg.model.moe.router == "expert_choice":
+        yield "train.eval_tasks needs a causal model, and expert_choice routing looks at the whole routing group."
