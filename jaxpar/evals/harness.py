@@ -28,7 +28,7 @@ from jaxpar.config import ModelConfig
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.token_folder import TextCodec, end_of_document, special_token, tokenizer_settings
 from jaxpar.errors import UserError
-from jaxpar.evals.scoring import TokenScorer, bucket, request_row
+from jaxpar.evals.scoring import Scored, TokenScorer, bucket, request_row
 from jaxpar.parallel.layout import Layout
 from jaxpar.sampling.batched import BatchedGenerator, Shape
 from jaxpar.sampling.choice import Sampling
@@ -92,23 +92,28 @@ class JaxparLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         started = time.perf_counter()
-        rows = [request_row(context, continuation, self.max_length) for _, context, continuation in requests]
-        scored = self.scorer(self.model.params, rows)
+        scored = self._score([(context, continuation) for _, context, continuation in requests])
         self._count(len(requests), started)
         return [(s.loglikelihood, s.is_greedy) for s in scored]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text's log-likelihood: the sum over its disjoint windows of max_length tokens."""
+        started = time.perf_counter()
         windows, owners = [], []
         for index, request in enumerate(requests):
             tokens = self.tok_encode(request.args[0])
             for window in get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1):
-                windows.append((None, *make_disjoint_window(window)))
+                windows.append(make_disjoint_window(window))
                 owners.append(index)
         totals = [0.0] * len(requests)
-        for owner, (loglikelihood, _) in zip(owners, self._loglikelihood_tokens(windows)):
-            totals[owner] += loglikelihood
+        for owner, scored in zip(owners, self._score(windows)):
+            totals[owner] += scored.loglikelihood
+        self._count(len(requests), started)
         return totals
+
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[Scored]:
+        """(context, continuation) token pairs, cut as the Hugging Face backend cuts them, scored."""
+        return self.scorer(self.model.params, [request_row(c, d, self.max_length) for c, d in pairs])
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each request's generation, grouped by its settings and sorted longest first."""

@@ -5,8 +5,9 @@ Each request is a row of tokens (context then continuation, cut from the left to
 how many of its last targets are the continuation. Rows are sorted longest first and run B at a time,
 right-padded to a length bucket (a power of two, at least MIN_BUCKET), so a whole task compiles a few
 programs and pads little. Causal attention keeps the padding out of every real position. The program
-returns, per row, the sum of the continuation's log-probabilities (fp32 log-softmax of fp32 logits) and
-whether every continuation token is the argmax.
+returns the continuation tokens' log-probabilities (fp32 log-softmax of fp32 logits, zero elsewhere) and
+whether every continuation token is the argmax; the host sums each row in float64 (a sum of a few hundred
+log-probabilities near 1000 in fp32 would be rounded to its spacing there, 6e-5).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class TokenScorer:
             inputs_BL[b, :n], targets_BL[b, :n] = tokens[:-1], tokens[1:]
             weights_BL[b, n - continuation:n] = 1.0
         placed = [self._place(a) for a in (inputs_BL, targets_BL, weights_BL)]
-        sums_B, greedy_B = jax.device_get(self._program(params, *placed))
+        logp_BL, greedy_B = jax.device_get(self._program(params, *placed))
+        sums_B = logp_BL.astype(np.float64).sum(axis=1)
         return [Scored(float(sums_B[b]), bool(greedy_B[b])) for b in range(len(rows))]
 
     def _place(self, array: np.ndarray) -> jax.Array:
@@ -104,6 +106,5 @@ class TokenScorer:
         logp_BLV = jax.nn.log_softmax(logits_BLV, axis=-1)
         target_logp_BL = jnp.take_along_axis(logp_BLV, targets_BL[..., None], axis=-1)[..., 0]
         counted_BL = weights_BL > 0
-        sums_B = jnp.sum(jnp.where(counted_BL, target_logp_BL, 0.0), axis=1)
         greedy_B = jnp.all(jnp.where(counted_BL, jnp.argmax(logits_BLV, axis=-1) == targets_BL, True), axis=1)
-        return sums_B, greedy_B
+        return jnp.where(counted_BL, target_logp_BL, 0.0), greedy_B
