@@ -25,6 +25,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Nothing downloads at run time: lm-eval's tasks read local files only (a hub dataset fails at once).
 os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+# W&B's own logs and settings beside jaxpar's cache, not in the user's ~/.cache/wandb and ~/.config/wandb
+for _name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+    os.environ[_name] = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], _name.lower())
 
 import pytest  # noqa: E402
 
