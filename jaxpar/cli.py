@@ -239,7 +239,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError(missing)
     from jaxpar.evals.command import Request, evaluate_source
 
-    request = Request(args.tasks, args.limit, args.batch, args.out, args.step, args.num_fewshot, args.log_samples)
+    request = Request(args.tasks, args.limit, args.batch, args.out, args.step, args.num_fewshot, args.log_samples,
+                      args.max_length)
     result = evaluate_source(args.source, request, args.settings, progress=not args.no_progress)
     scores = "; ".join(f"{task} " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
                        for task, metrics in result["tasks"].items())

@@ -68,7 +68,8 @@ def assert_agrees_with_the_reference(results: dict) -> None:
 @pytest.mark.parametrize("layout", [["mesh.data=8"], ["mesh.data=4", "mesh.tensor=2"]], ids=" x ".join)
 def test_jaxpar_eval_agrees_with_lm_evals_hf_backend(layout, capsys, tmp_path):
     out = tmp_path / "results.json"
-    code, stdout, err = eval_here(capsys, str(MODEL), *layout, "--tasks", TASKS, "--out", str(out), "--log-samples")
+    code, stdout, err = eval_here(capsys, str(MODEL), *layout, "--tasks", TASKS, "--out", str(out), "--log-samples",
+                                  "--max-length", "128")  # the reference's max_length
     assert code == 0, err
     assert_agrees_with_the_reference(json.loads(out.read_text()))
     summary = json.loads(stdout)
@@ -162,3 +163,13 @@ def test_without_lm_eval_eval_and_in_loop_tasks_are_one_sentence(capsys, tmp_pat
 def test_in_loop_task_settings_that_cannot_work_are_one_sentence(settings, words, capsys, tmp_path):
     code, err = train_here(capsys, tmp_path / "run", *settings)
     assert code == 2 and words in err and not (tmp_path / "run").exists()
+
+
+def test_a_hugging_face_checkpoint_runs_at_its_context_as_lm_evals_backend_reads_it(tmp_path):
+    from jaxpar.evals.command import DEFAULT_CONTEXT, hf_context_length
+
+    assert hf_context_length(MODEL) == json.loads((MODEL / "config.json").read_text())["max_position_embeddings"]
+    composite = {"text_config": {"max_position_embeddings": 32768}, "max_position_embeddings": 1200}
+    for config, length in ((composite, 32768), ({"n_positions": 1024}, 1024), ({}, DEFAULT_CONTEXT)):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert hf_context_length(tmp_path) == length

@@ -145,5 +145,8 @@ def add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="FILE.json", help="where lm-eval's results JSON goes (default: "
                    "RUN_DIR/eval/results-step<N>.json, or eval-results.json for a Hugging Face folder)")
     p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON")
+    p.add_argument("--max-length", type=int, help="the longest sequence a request runs at, its context cut from the "
+                   "left to fit (default: a run's model.seq_len; a Hugging Face checkpoint's max_position_embeddings, "
+                   "as lm-eval's Hugging Face backend reads it)")
     p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")

@@ -24,15 +24,20 @@ from jaxpar.data.token_folder import tokenizer_folder
 from jaxpar.errors import UserError
 from jaxpar.evals.harness import EvalModel, JaxparLM
 from jaxpar.evals.tasks import evaluate, load_tasks, parse_tasks
+from jaxpar.interop.hf_config import read_config
 from jaxpar.sampling.command import stop_ids
 from jaxpar.sampling.model_source import load_model
+
+DEFAULT_CONTEXT = 2048  # lm-eval's Hugging Face backend's, for a config.json that names none
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What to evaluate: tasks ('T1,T2'), documents a task at most (None: all), rows a batch, where the JSON
     goes (None: <run>/eval/results-step<N>.json, or eval-results.json here for a Hugging Face folder),
-    the checkpoint step, few-shot examples (None: each task's own) and whether to keep every request."""
+    the checkpoint step, few-shot examples (None: each task's own), whether to keep every request, and the
+    longest sequence a request runs at (None: a run's model.seq_len, or a Hugging Face checkpoint's context
+    as lm-eval's Hugging Face backend reads it from config.json)."""
 
     tasks: str
     limit: int | None = None
@@ -41,6 +46,7 @@ class Request:
     step: int | None = None
     num_fewshot: int | None = None
     log_samples: bool = False
+    max_length: int | None = None
 
 
 def evaluate_source(source: str, request: Request, settings: list[str] = (), progress: bool = True) -> dict:
@@ -50,8 +56,10 @@ def evaluate_source(source: str, request: Request, settings: list[str] = (), pro
     tasks = load_tasks(parse_tasks(request.tasks))
     loaded = load_model(source, request.step, list(settings), request.batch, "evaluation")
     trainer = loaded.trainer
+    max_length = request.max_length or (trainer.cfg.model.seq_len if loaded.step is not None
+                                        else hf_context_length(Path(source)))
     model = EvalModel(trainer.graphdef, loaded.params, trainer.cfg.model, trainer.session.precision, trainer.layout,
-                      loaded.tokenizer, stop_ids(loaded.origin), request.batch)
+                      loaded.tokenizer, stop_ids(loaded.origin), request.batch, max_length)
     lm = JaxparLM(model, progress)
     started = time.perf_counter()
     results = evaluate(lm, tasks, request.limit, request.num_fewshot, request.log_samples, quiet=not progress)
@@ -64,13 +72,15 @@ def evaluate_source(source: str, request: Request, settings: list[str] = (), pro
 
 
 def evaluate_model(model: nnx.Module, config: Config, tasks: str, limit: int | None = None, batch: int = 8,
-                   tokenizer: str | Path | None = None, log_samples: bool = False) -> dict:
+                   tokenizer: str | Path | None = None, log_samples: bool = False, max_length: int = 0) -> dict:
     """lm-eval's results dict for `tasks` ('T1,T2') on a live jaxpar model of `config` (its weights where they
     are: one device, or sharded). The tokenizer is the one the config trains with (data.source's tokenized
-    folder, or model.from_hf's), unless `tokenizer` names a folder."""
+    folder, or model.from_hf's), unless `tokenizer` names a folder; requests run at up to `max_length` tokens
+    (0: model.seq_len)."""
     graphdef, params = nnx.split(model)
     folder = Path(tokenizer) if tokenizer is not None else tokenizer_folder(config.data, config.model.from_hf)
-    eval_model = EvalModel(graphdef, params, config.model, precision_of(config), None, folder, batch=batch)
+    eval_model = EvalModel(graphdef, params, config.model, precision_of(config), None, folder, batch=batch,
+                           max_length=max_length)
     return evaluate(JaxparLM(eval_model), load_tasks(parse_tasks(tasks)), limit, log_samples=log_samples)
 
 
@@ -87,6 +97,17 @@ def task_metrics(results: dict) -> dict[str, dict[str, float]]:
 def _metric_name(key: str) -> str:
     metric, _, filter_name = key.partition(",")
     return metric if filter_name == "none" else key
+
+
+def hf_context_length(folder: Path) -> int:
+    """A Hugging Face checkpoint's context as lm-eval's Hugging Face backend reads it: n_positions,
+    max_position_embeddings or n_ctx of config.json (its text_config's first), else 2048."""
+    config = read_config(folder)
+    for section in (config.get("text_config") or {}, config):
+        for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+            if isinstance(section.get(key), int):
+                return section[key]
+    return DEFAULT_CONTEXT
 
 
 def _default_out(source: str, step: int | None) -> str:

@@ -41,7 +41,8 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's Hugging Face backend's, for requests tha
 class EvalModel:
     """What evaluation runs: the model's graph and weights (model order, on the layout's shardings, or on
     one device with no layout), its shape and precision, its tokenizer's folder (None: bytes), the end
-    tokens generation stops at, and the rows of a batch (a multiple of the mesh's data x expert)."""
+    tokens generation stops at, the rows of a batch (a multiple of the mesh's data x expert) and the longest
+    sequence a request runs at (0: model.seq_len; a context is cut from the left to fit)."""
 
     graphdef: nnx.GraphDef
     params: nnx.State
@@ -51,6 +52,13 @@ class EvalModel:
     tokenizer: Path | None
     stop_ids: frozenset[int] = frozenset()
     batch: int = 8
+    max_length: int = 0
+
+    def __post_init__(self):
+        learned = self.model_cfg.positions == "learned"
+        if self.max_length < 0 or (learned and self.max_length > self.model_cfg.seq_len):
+            raise UserError(f"the longest sequence must be positive and, with learned positions, at most "
+                            f"model.seq_len={self.model_cfg.seq_len}; got {self.max_length}.")
 
 
 @register_model("jaxpar")
@@ -65,7 +73,8 @@ class JaxparLM(TemplateLM):
         # lm-eval stops every generation at the end of sequence too (its Hugging Face backend adds it)
         self._stop_ids = model.stop_ids | ({self._eot} if self._eot is not None else set())
         self._prefix_text = None if model.tokenizer is None else self.codec.decode([self._prefix])
-        self.scorer = TokenScorer(model.graphdef, model.model_cfg, model.precision, model.batch, model.layout)
+        self.scorer = TokenScorer(model.graphdef, model.model_cfg, model.precision, model.batch, self.max_length,
+                                  model.layout)
         self._generators: dict[tuple, BatchedGenerator] = {}
         self.requests, self.seconds = 0, 0.0
 
@@ -79,7 +88,7 @@ class JaxparLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        return self.model.model_cfg.seq_len
+        return self.model.max_length or self.model.model_cfg.seq_len
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """As the Hugging Face backend: the tokenizer's special tokens, unless the text starts with its own."""

@@ -54,12 +54,13 @@ def request_row(context: list[int], continuation: list[int], max_length: int) ->
 
 class TokenScorer:
     """score(params, rows) -> a Scored per row (rows: (tokens, continuation length) pairs, tokens at least
-    two long). `batch` rows run at once; params in model order, on the layout's shardings (or one device
-    without a layout)."""
+    two and at most max_length + 1 long). `batch` rows run at once; params in model order, on the layout's
+    shardings (or one device without a layout)."""
 
     def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, precision: PrecisionPolicy, batch: int,
-                 layout: Layout | None = None):
+                 max_length: int, layout: Layout | None = None):
         self.graphdef, self.cfg, self.precision, self.batch, self.layout = graphdef, model_cfg, precision, batch, layout
+        self.max_length = max_length
         replicated = None if layout is None else NamedSharding(layout.mesh, PartitionSpec())
         self._program = jax.jit(self._score, out_shardings=replicated)
 
@@ -74,7 +75,7 @@ class TokenScorer:
 
     def _run(self, params, rows: list[tuple[list[int], int]]) -> list[Scored]:
         """One batch of at most `batch` rows (the rest padded with copies of the last)."""
-        length = bucket(max(len(tokens) for tokens, _ in rows) - 1, self.cfg.seq_len)
+        length = bucket(max(len(tokens) for tokens, _ in rows) - 1, self.max_length)
         padded = rows + [rows[-1]] * (self.batch - len(rows))
         inputs_BL = np.full((self.batch, length), PAD_ID, np.int32)
         targets_BL = np.full((self.batch, length), PAD_ID, np.int32)
