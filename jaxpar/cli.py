@@ -237,17 +237,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if missing := lm_eval_missing("jaxpar eval"):
         raise UserError(missing)
-    from jaxpar.evals.command import Request, evaluate_source
+    from jaxpar.evals.command import run_command
 
-    request = Request(args.tasks, args.limit, args.batch, args.out, args.step, args.num_fewshot, args.log_samples,
-                      args.max_length)
-    result = evaluate_source(args.source, request, args.settings, progress=not args.no_progress)
-    scores = "; ".join(f"{task} " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-                       for task, metrics in result["tasks"].items())
-    print(f"{scores}: {result['requests']} requests in {result['seconds']:.1f} s ({result['requests_per_s']:.1f}/s) "
-          f"on {result['layout']}; lm-eval's results in {result['out']}", file=sys.stderr)
-    print(json.dumps(result))
-    return 0
+    return run_command(args)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -135,14 +135,24 @@ doc_to_target: 0
     ("hellaswag", "the dataset of task hellaswag cannot be read (Couldn't reach 'Rowan/hellaswag' on the Hub"),
     ("{bad}", "the dataset of task {bad} cannot be read (Unable to find '{folder}/not_here.jsonl')"),
     ("missing.yaml", "the task file missing.yaml does not exist."),
-], ids=["unknown name", "a hub dataset offline", "a local file that is not there", "no such task file"])
+    ("{malformed}", "the task file {malformed} cannot be read (while parsing a flow mapping)."),
+], ids=["unknown name", "a hub dataset offline", "a local file that is not there", "no such task file", "not YAML"])
 def test_a_task_that_cannot_run_is_one_sentence_before_the_model_loads(tasks, words, capsys, tmp_path, monkeypatch):
     (tmp_path / "bad.yaml").write_text(BAD_TASK)
-    bad = str(tmp_path / "bad.yaml")
+    (tmp_path / "malformed.yaml").write_text("task: x\ndoc_to_text: {{q}\nnot yaml\n")
+    names = {"bad": str(tmp_path / "bad.yaml"), "malformed": str(tmp_path / "malformed.yaml"), "folder": tmp_path}
     monkeypatch.setattr("jaxpar.evals.command.load_model", None)  # reaching the model would fail otherwise
-    code, stdout, err = eval_here(capsys, str(MODEL), "--tasks", tasks.format(bad=bad))
+    code, stdout, err = eval_here(capsys, str(MODEL), "--tasks", tasks.format(**names))
     assert code == 2 and stdout == ""
-    assert err.startswith("jaxpar: error: " + words.format(bad=bad, folder=tmp_path)) and err.count("\n") == 1
+    assert err.startswith("jaxpar: error: " + words.format(**names)) and err.count("\n") == 1
+
+
+def test_a_generation_that_leaves_no_room_for_its_context_is_one_sentence_before_any_task_runs(capsys):
+    code, stdout, err = eval_here(capsys, str(MODEL), "--tasks", "colors_mc,colors_qa", "--max-length", "8",
+                                  "mesh.data=1", "run.devices=1")
+    assert code == 2 and stdout == ""
+    assert err == ("jaxpar: error: task colors_qa asks for 8 new tokens, but requests run at 8 tokens at most "
+                   "(--max-length; a run's model.seq_len).\n")
 
 
 def test_without_lm_eval_eval_and_in_loop_tasks_are_one_sentence(capsys, tmp_path, monkeypatch):

@@ -171,3 +171,24 @@ def test_a_missing_package_or_bad_project_is_one_sentence_before_anything_is_wri
     assert code == 2
     assert err.strip().splitlines() == [f"jaxpar: error: {sentence}"]
     assert not run.exists()
+
+
+def test_online_without_a_login_stops_before_anything_compiles(tmp_path, capsys, monkeypatch):
+    """The login is looked for where `wandb login` leaves it (WANDB_API_KEY, or the netrc entry of W&B's host)
+    when the config is checked, before a run folder or a compile."""
+    from jaxpar.features.run import _wandb_key
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc_file = tmp_path / "netrc"
+    netrc_file.write_text("machine example.org login user password secret\n")
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    code, err = train_here(capsys, tmp_path / "run", "run.wandb=true", "run.wandb_mode=online")
+    assert code == 2 and not (tmp_path / "run").exists()
+    assert err == ("jaxpar: error: run.wandb_mode=online needs a W&B login (wandb login, or WANDB_API_KEY), and this "
+                   "machine has none; log in, or set run.wandb_mode=offline and upload later with wandb sync.\n")
+    netrc_file.write_text("machine api.wandb.ai login user password " + "0" * 40 + "\n")
+    assert _wandb_key()
+    netrc_file.write_text("")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    assert _wandb_key()

@@ -257,7 +257,8 @@ class TextCodec:
         """The id of one token of the vocabulary (a special token's text), None for bytes or a token it lacks."""
         return None if self._tokenizer is None else self._tokenizer.token_to_id(token)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        """The text of `ids`; skip_special=False keeps the special tokens' text (an end-of-sequence's)."""
         if self._tokenizer is None:
             return bytes(ids).decode("utf-8", errors="replace")
-        return self._tokenizer.decode(ids)
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special)

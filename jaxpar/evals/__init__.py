@@ -1,7 +1,7 @@
 """Evaluating models with EleutherAI's lm-evaluation-harness, an optional extra (pip install 'jaxpar[eval]'):
 scoring.py log-likelihoods on a layout, harness.py lm-eval's LM interface, tasks.py which tasks and running
-them, command.py `jaxpar eval` and evaluate_model, in_loop.py train.eval_tasks. Only this module may be
-imported without lm-eval."""
+them, command.py `jaxpar eval` and evaluate_model, in_loop.py train.eval_tasks. This module and in_loop.py (which
+imports the others only for a run that names tasks) import without lm-eval installed."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,15 +21,16 @@ from lm_eval.utils import handle_non_serializable
 from jaxpar.config import Config
 from jaxpar.config.precision import of as precision_of
 from jaxpar.data.folders import write_atomically
-from jaxpar.data.token_folder import tokenizer_folder
+from jaxpar.data.token_folder import tokenizer_folder, tokenizer_settings
 from jaxpar.errors import UserError
-from jaxpar.evals.harness import EvalModel, JaxparLM
+from jaxpar.evals.harness import EvalModel, JaxparLM, check_tasks
 from jaxpar.evals.tasks import evaluate, load_tasks, parse_tasks
 from jaxpar.interop.hf_config import read_config
 from jaxpar.sampling.command import stop_ids
 from jaxpar.sampling.model_source import load_model
 
 DEFAULT_CONTEXT = 2048  # lm-eval's Hugging Face backend's, for a config.json that names none
+TOKENIZER_UNSET = int(1e30)  # transformers' model_max_length when a tokenizer sets none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +53,15 @@ class Request:
 
 def evaluate_source(source: str, request: Request, settings: list[str] = (), progress: bool = True) -> dict:
     """Run request.tasks on `source`'s model; write lm-eval's JSON and return the summary."""
-    if request.limit is not None and request.limit < 1:
-        raise UserError(f"--limit must be at least 1, got {request.limit}.")
-    tasks = load_tasks(parse_tasks(request.tasks))
-    loaded = load_model(source, request.step, list(settings), request.batch, "evaluation")
+    for flag, value in (("--limit", request.limit), ("--max-length", request.max_length)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}.")
+    tasks = load_tasks(parse_tasks(request.tasks), progress)
+    loaded = load_model(source, request.step, list(settings), request.batch, "evaluation", progress)
     trainer = loaded.trainer
     max_length = request.max_length or (trainer.cfg.model.seq_len if loaded.step is not None
                                         else hf_context_length(Path(source)))
+    check_tasks(tasks, max_length, trainer.cfg.model.vocab_size)
     model = EvalModel(trainer.graphdef, loaded.params, trainer.cfg.model, trainer.session.precision, trainer.layout,
                       loaded.tokenizer, stop_ids(loaded.origin), request.batch, max_length)
     lm = JaxparLM(model, progress)
@@ -71,6 +75,19 @@ def evaluate_source(source: str, request: Request, settings: list[str] = (), pro
             "requests_per_s": lm.requests / seconds, "layout": trainer.session.mesh_name(), "out": str(out)}
 
 
+def run_command(args) -> int:
+    """`jaxpar eval`'s parsed flags run: the summary line on stderr, the summary as JSON on stdout."""
+    request = Request(args.tasks, args.limit, args.batch, args.out, args.step, args.num_fewshot, args.log_samples,
+                      args.max_length)
+    result = evaluate_source(args.source, request, args.settings, progress=not args.no_progress)
+    scores = "; ".join(f"{task} " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+                       for task, metrics in result["tasks"].items())
+    print(f"{scores}: {result['requests']} requests in {result['seconds']:.1f} s ({result['requests_per_s']:.1f}/s) "
+          f"on {result['layout']}; lm-eval's results in {result['out']}", file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
 def evaluate_model(model: nnx.Module, config: Config, tasks: str, limit: int | None = None, batch: int = 8,
                    tokenizer: str | Path | None = None, log_samples: bool = False, max_length: int = 0) -> dict:
     """lm-eval's results dict for `tasks` ('T1,T2') on a live jaxpar model of `config` (its weights where they
@@ -79,9 +96,12 @@ def evaluate_model(model: nnx.Module, config: Config, tasks: str, limit: int | N
     (0: model.seq_len)."""
     graphdef, params = nnx.split(model)
     folder = Path(tokenizer) if tokenizer is not None else tokenizer_folder(config.data, config.model.from_hf)
-    eval_model = EvalModel(graphdef, params, config.model, precision_of(config), None, folder, batch=batch,
-                           max_length=max_length)
-    return evaluate(JaxparLM(eval_model), load_tasks(parse_tasks(tasks)), limit, log_samples=log_samples)
+    origin = Path(config.model.from_hf) if config.model.from_hf else None
+    eval_model = EvalModel(graphdef, params, config.model, precision_of(config), None, folder, stop_ids(origin), batch,
+                           max_length)
+    loaded = load_tasks(parse_tasks(tasks))
+    check_tasks(loaded, max_length or config.model.seq_len, config.model.vocab_size)
+    return evaluate(JaxparLM(eval_model), loaded, limit, log_samples=log_samples)
 
 
 def task_metrics(results: dict) -> dict[str, dict[str, float]]:
@@ -101,12 +121,16 @@ def _metric_name(key: str) -> str:
 
 def hf_context_length(folder: Path) -> int:
     """A Hugging Face checkpoint's context as lm-eval's Hugging Face backend reads it: n_positions,
-    max_position_embeddings or n_ctx of config.json (its text_config's first), else 2048."""
+    max_position_embeddings or n_ctx of config.json (its text_config's first), else its tokenizer's
+    model_max_length (when set: transformers' 'unset' is 1e30), else 2048."""
     config = read_config(folder)
     for section in (config.get("text_config") or {}, config):
         for key in ("n_positions", "max_position_embeddings", "n_ctx"):
             if isinstance(section.get(key), int):
                 return section[key]
+    tokenizer_length = tokenizer_settings(folder).get("model_max_length")
+    if isinstance(tokenizer_length, int) and tokenizer_length < TOKENIZER_UNSET:
+        return tokenizer_length
     return DEFAULT_CONTEXT
 
 

@@ -1,11 +1,12 @@
-"""lm-evaluation-harness's `LM` interface on a jaxpar model (registered as lm-eval's model `jaxpar`).
+"""lm-evaluation-harness's `LM` interface on a jaxpar model, for lm-eval's evaluator.
 
 Requests are tokenized and cut as lm-eval's own Hugging Face backend does (its `TemplateLM` pairs, the same
 left truncation, the same rolling windows, the same stop sequences), so the two agree on the same weights:
   - loglikelihood: jaxpar.evals.scoring's compiled program, rows sorted by length and batched;
   - loglikelihood_rolling: the text's disjoint windows of the model's length, scored the same way;
-  - generate_until: jaxpar.sampling.batched's generator (greedy unless do_sample), prompts sorted by
-    length, each batch's prompt slots a power of two, then the text cut at the first stop sequence.
+  - generate_until: jaxpar.sampling.batched's generator (greedy unless do_sample; sampling takes the task's
+    temperature, top_p and top_k, the last 50 unless it says, as transformers does), prompts sorted by length,
+    each batch's prompt slots a power of two, then the text cut at the first stop sequence.
 The prefix of an empty context (and of a rolling window) is the tokenizer's BOS, else its end-of-sequence
 token; a model of bytes has neither and takes the newline byte.
 """
@@ -19,7 +20,6 @@ from pathlib import Path
 
 from flax import nnx
 from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
@@ -35,6 +35,7 @@ from jaxpar.sampling.choice import Sampling
 
 BYTE_PREFIX = ord("\n")  # a model of bytes: what an empty context starts from
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's Hugging Face backend's, for requests that name none
+TRANSFORMERS_TOP_K = 50  # what transformers' sampling keeps when a task names no top_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,6 @@ class EvalModel:
                             f"model.seq_len={self.model_cfg.seq_len}; got {self.max_length}.")
 
 
-@register_model("jaxpar")
 class JaxparLM(TemplateLM):
     """An lm-eval model over an EvalModel. `requests` and `seconds` count what it has answered."""
 
@@ -72,7 +72,7 @@ class JaxparLM(TemplateLM):
         self._eot, self._prefix = _special_ids(self.codec, model.tokenizer)
         # lm-eval stops every generation at the end of sequence too (its Hugging Face backend adds it)
         self._stop_ids = model.stop_ids | ({self._eot} if self._eot is not None else set())
-        self._prefix_text = None if model.tokenizer is None else self.codec.decode([self._prefix])
+        self._prefix_text = None if model.tokenizer is None else self.codec.decode([self._prefix], skip_special=False)
         self.scorer = TokenScorer(model.graphdef, model.model_cfg, model.precision, model.batch, self.max_length,
                                   model.layout)
         self._generators: dict[tuple, BatchedGenerator] = {}
@@ -143,14 +143,14 @@ class JaxparLM(TemplateLM):
     def _generate_group(self, contexts: list[str], gen_kwargs: dict, indices: list[int]):
         """(request index, text) for contexts of the same generation settings."""
         kwargs = normalize_gen_kwargs(gen_kwargs, DEFAULT_MAX_GEN_TOKS)
-        eos = None if self._eot is None else self.codec.decode([self._eot])
+        eos = None if self._eot is None else self.codec.decode([self._eot], skip_special=False)
         until, new_tokens = handle_stop_sequences(kwargs.pop("until", None), eos or None), kwargs.pop("max_gen_toks")
         if new_tokens >= self.max_length:
             raise UserError(f"a task asks for {new_tokens} new tokens, but the model's context is "
                             f"{self.max_length} tokens.")
         prompts = [self.tok_encode(c)[-(self.max_length - new_tokens):] for c in contexts]
         order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), contexts[i]))
-        sampling = _sampling(kwargs)
+        sampling = _sampling(kwargs, self.model.model_cfg.vocab_size)
         for first in range(0, len(order), self.model.batch):
             chunk = order[first:first + self.model.batch]
             slots = bucket(len(prompts[chunk[0]]), self.max_length - new_tokens)
@@ -172,11 +172,25 @@ class JaxparLM(TemplateLM):
         self.seconds += time.perf_counter() - started
 
 
-def _sampling(kwargs: dict) -> Sampling:
-    """Greedy, unless the task samples (do_sample with a temperature)."""
+def check_tasks(tasks, max_length: int, vocab_size: int) -> None:
+    """One sentence for a generation task whose new tokens leave no room for a context, or whose sampling
+    settings are out of range, before any task runs."""
+    for task in tasks:
+        if task.OUTPUT_TYPE == "generate_until":
+            kwargs = normalize_gen_kwargs(task.config.generation_kwargs or {}, DEFAULT_MAX_GEN_TOKS)
+            if kwargs["max_gen_toks"] >= max_length:
+                raise UserError(f"task {task.config.task} asks for {kwargs['max_gen_toks']} new tokens, but requests "
+                                f"run at {max_length} tokens at most (--max-length; a run's model.seq_len).")
+            _sampling(kwargs, vocab_size).check(vocab_size)
+
+
+def _sampling(kwargs: dict, vocab_size: int) -> Sampling:
+    """Greedy, unless the task samples (do_sample with a temperature): then as transformers samples, its top_k
+    50 unless the task names one."""
     if not kwargs.get("do_sample") or not kwargs.get("temperature"):
         return Sampling()
-    return Sampling(float(kwargs["temperature"]), int(kwargs.get("top_k") or 0), float(kwargs.get("top_p") or 1.0))
+    top_k = min(int(kwargs.get("top_k", TRANSFORMERS_TOP_K) or 0), vocab_size)
+    return Sampling(float(kwargs["temperature"]), top_k, float(kwargs.get("top_p") or 1.0))
 
 
 def _special_ids(codec: TextCodec, tokenizer: Path | None) -> tuple[int | None, int]:

@@ -32,7 +32,7 @@ class TaskEvals:
     def __init__(self, session: Session, trainer: Trainer):
         t = session.cfg.train
         self.trainer, self.every, self.last, self.limit = trainer, t.eval_tasks_every, t.steps, t.eval_tasks_limit
-        self.active = bool(t.eval_tasks)
+        self.active = bool(t.eval_tasks.strip())
         if self.active:
             self.tasks, self.lm = _open(session, trainer)
 
@@ -43,11 +43,12 @@ class TaskEvals:
         from jaxpar.evals.command import task_metrics
         from jaxpar.evals.tasks import evaluate
 
-        weights = self.trainer.to_model_order(self._weights(params))
-        jax.block_until_ready(weights)  # the step's own time stays the step's
+        jax.block_until_ready(params)  # the step's own time stays the step's
         started = time.perf_counter()
+        weights = self.trainer.to_model_order(self._weights(params))
         self.lm.model = dataclasses.replace(self.lm.model, params=weights)
-        results = evaluate(self.lm, self.tasks, self.limit or None, quiet=True)
+        # no bootstrapped standard errors: the metrics row keeps the metrics alone
+        results = evaluate(self.lm, self.tasks, self.limit or None, quiet=True, bootstrap_iters=0)
         scores = {f"eval/{task}/{metric}": value for task, metrics in task_metrics(results).items()
                   for metric, value in metrics.items()}
         return scores, time.perf_counter() - started
@@ -59,11 +60,12 @@ class TaskEvals:
 
 def _open(session: Session, trainer: Trainer):
     """(the tasks, their datasets read; the lm-eval model, its weights set before each run)."""
-    from jaxpar.evals.harness import EvalModel, JaxparLM
+    from jaxpar.evals.harness import EvalModel, JaxparLM, check_tasks
     from jaxpar.evals.tasks import load_tasks, parse_tasks
 
     cfg = session.cfg
-    tasks = load_tasks(parse_tasks(cfg.train.eval_tasks))
+    tasks = load_tasks(parse_tasks(cfg.train.eval_tasks), progress=False)
+    check_tasks(tasks, cfg.model.seq_len, cfg.model.vocab_size)
     rows = session.mesh_sizes["data"] * session.mesh_sizes["expert"]
     origin = Path(cfg.model.from_hf) if cfg.model.from_hf else None
     batch = rows * math.ceil(MIN_ROWS / rows)

@@ -22,10 +22,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ModelConfig
 from jaxpar.config.precision import PrecisionPolicy
+from jaxpar.errors import UserError
 from jaxpar.model.adapters import read_as
-from jaxpar.model.axes import layout_hooks
-from jaxpar.parallel.hooks import eval_hooks
 from jaxpar.parallel.layout import Layout
+from jaxpar.sampling.batched import evaluating_on, place_rows
 
 MIN_BUCKET = 16
 PAD_ID = 0  # what pads a row's tail (never a target: its weight is zero)
@@ -47,7 +47,10 @@ def bucket(length: int, max_length: int) -> int:
 
 def request_row(context: list[int], continuation: list[int], max_length: int) -> tuple[list[int], int]:
     """The tokens (context + continuation, the last max_length + 1 of them) and the continuation's
-    length, as lm-eval's Hugging Face backend cuts them."""
+    length, as lm-eval's Hugging Face backend cuts them (a continuation longer than max_length it refuses)."""
+    if len(continuation) > max_length:
+        raise UserError(f"a request's continuation has {len(continuation)} tokens, more than the "
+                        f"{max_length} a sequence may hold (--max-length).")
     whole = (context + continuation)[-(max_length + 1):]
     return whole, len(continuation)
 
@@ -84,21 +87,13 @@ class TokenScorer:
             n = len(tokens) - 1
             inputs_BL[b, :n], targets_BL[b, :n] = tokens[:-1], tokens[1:]
             weights_BL[b, n - continuation:n] = 1.0
-        placed = [self._place(a) for a in (inputs_BL, targets_BL, weights_BL)]
+        placed = [place_rows(a, self.layout) for a in (inputs_BL, targets_BL, weights_BL)]
         logp_BL, greedy_B = jax.device_get(self._program(params, *placed))
         sums_B = logp_BL.astype(np.float64).sum(axis=1)
         return [Scored(float(sums_B[b]), bool(greedy_B[b])) for b in range(len(rows))]
 
-    def _place(self, array: np.ndarray) -> jax.Array:
-        """The host array (the same in every process) split by rows over the mesh."""
-        if self.layout is None:
-            return jnp.asarray(array)
-        return jax.make_array_from_callback(array.shape, self.layout.batch_sharding(), lambda index: array[index])
-
     def _score(self, params, inputs_BL: jax.Array, targets_BL: jax.Array, weights_BL: jax.Array):
-        if self.layout is None:
-            return self._traced(params, inputs_BL, targets_BL, weights_BL)
-        with layout_hooks(eval_hooks(self.layout)):
+        with evaluating_on(self.layout):
             return self._traced(params, inputs_BL, targets_BL, weights_BL)
 
     def _traced(self, params, inputs_BL, targets_BL, weights_BL):

@@ -14,9 +14,13 @@ import difflib
 import functools
 import io
 import logging
+import os
+import sys
 from pathlib import Path
 
+import datasets
 import lm_eval
+import yaml
 from lm_eval.api.task import Task
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
@@ -25,6 +29,7 @@ from jaxpar.config import CONFIG_DIR
 from jaxpar.errors import UserError
 
 OWN_TASKS = CONFIG_DIR / "evals"
+BOOTSTRAP_ITERS = 100_000  # lm-eval's own default
 YAML = (".yaml", ".yml")
 
 
@@ -36,8 +41,11 @@ def parse_tasks(text: str) -> list[str]:
     return names
 
 
-def load_tasks(names: list[str]) -> list[Task]:
-    """The lm-eval tasks of `names` (YAML paths, jaxpar's own names, lm-eval's names), their datasets read."""
+def load_tasks(names: list[str], progress: bool = True) -> list[Task]:
+    """The lm-eval tasks of `names` (YAML paths, jaxpar's own names, lm-eval's names), their datasets read
+    (with datasets' progress bars, or none)."""
+    if not progress:
+        datasets.disable_progress_bars()
     return [task for name in names for task in _load(name)]
 
 
@@ -49,6 +57,8 @@ def _load(name: str) -> list[Task]:
     except OSError as e:  # a file that is not there, no connection, offline mode: datasets' errors are OSErrors
         raise UserError(f"the dataset of task {name} cannot be read ({_first_line(e)}); offline, a task reads a "
                         f"local file (dataset_path: json with dataset_kwargs.data_files).") from None
+    except ValueError as e:  # datasets' word for a split or a configuration the dataset does not have
+        raise UserError(f"task {name} cannot be built ({_first_line(e)}).") from None
     return list(loaded.values())
 
 
@@ -72,7 +82,7 @@ def _spec(name: str) -> str | dict:
 def _config(path: Path) -> dict:
     try:
         config = load_yaml(path)
-    except (OSError, ValueError, ImportError) as e:
+    except (OSError, ValueError, ImportError, yaml.YAMLError) as e:
         raise UserError(f"the task file {path} cannot be read ({_first_line(e)}).") from None
     if not isinstance(config.get("task"), str):
         raise UserError(f"the task file {path} names no task (a 'task:' line).")
@@ -103,10 +113,31 @@ def _first_line(error: BaseException) -> str:
 
 
 def evaluate(lm, tasks: list[Task], limit: int | None = None, num_fewshot: int | None = None,
-             log_samples: bool = False, quiet: bool = False) -> dict:
-    """lm-eval's simple_evaluate of `tasks` with `lm`: its results dict (with the samples if asked). quiet:
-    without lm-eval's progress bars (it has no switch for them; its warnings still show, through logging)."""
+             log_samples: bool = False, quiet: bool = False, bootstrap_iters: int = BOOTSTRAP_ITERS) -> dict:
+    """lm-eval's simple_evaluate of `tasks` with `lm`: its results dict (with the samples if asked), in every
+    process of a run (each scores every request, as the compiled programs span them all). quiet: without
+    lm-eval's progress bars (it has no switch for them; its warnings still show, through logging).
+    bootstrap_iters: the resamples of the standard errors that have no formula (perplexities, F1, BLEU)."""
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+    # lm-eval would fork a pool for its bootstrap (not safe in a process running XLA's threads), print to
+    # stdout (where jaxpar eval's JSON goes), and return nothing where a launcher set LOCAL_RANK to another rank
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    with (contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext(),
+          contextlib.redirect_stdout(sys.stderr), _local_rank_zero()):
         return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, num_fewshot=num_fewshot,
-                                       log_samples=log_samples, task_manager=TaskManager(include_defaults=False))
+                                       log_samples=log_samples, bootstrap_iters=bootstrap_iters,
+                                       task_manager=TaskManager(include_defaults=False))
+
+
+@contextlib.contextmanager
+def _local_rank_zero():
+    """LOCAL_RANK=0 while lm-eval runs (it returns results only there), as it was after."""
+    before = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LOCAL_RANK"]
+        else:
+            os.environ["LOCAL_RANK"] = before

@@ -3,7 +3,10 @@ mixture of tokenized folders (data.mixture), the distributed runtime's heartbeat
 
 from __future__ import annotations
 
+import netrc
+import os
 from importlib.util import find_spec
+from urllib.parse import urlparse
 
 from jaxpar.config import Config, quoted
 from jaxpar.data.sources import parse_mixture
@@ -41,6 +44,21 @@ def _wandb(run) -> Checks:
                f"{' '.join(WANDB_PROJECT_FORBIDDEN)}, got {quoted(project)}.")
     if run.wandb and find_spec("wandb") is None:
         yield "run.wandb=true needs the wandb package, which is not installed: pip install 'jaxpar[wandb]'."
+    elif run.wandb and run.wandb_mode == "online" and not _wandb_key():
+        yield ("run.wandb_mode=online needs a W&B login (wandb login, or WANDB_API_KEY), and this machine has "
+               "none; log in, or set run.wandb_mode=offline and upload later with wandb sync.")
+
+
+def _wandb_key() -> bool:
+    """Whether W&B will find an API key where `wandb login` leaves it: WANDB_API_KEY, else the netrc entry
+    of its host (WANDB_BASE_URL's, api.wandb.ai by default), read without importing wandb."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):  # no netrc file, or one it cannot read
+        return False
 
 
 def _mixture(data) -> Checks:

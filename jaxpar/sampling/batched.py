@@ -10,6 +10,7 @@ tensor. The weights are the training state's own, read in place: nothing is copi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -42,6 +43,19 @@ class Shape:
     def slots(self) -> int:
         """The cache's slots per row (the last token is chosen, never fed back)."""
         return self.prompt_slots + self.new_tokens - 1
+
+
+def place_rows(array: np.ndarray, layout: Layout | None) -> jax.Array:
+    """The host array (the same in every process) split by rows over the mesh, each device its slice (on
+    the default device without a layout)."""
+    if layout is None:
+        return jnp.asarray(array)
+    return jax.make_array_from_callback(array.shape, layout.batch_sharding(), lambda index: array[index])
+
+
+def evaluating_on(layout: Layout | None):
+    """What a model traced for inference runs under: the layout's evaluation hooks (nothing without one)."""
+    return contextlib.nullcontext() if layout is None else layout_hooks(eval_hooks(layout))
 
 
 @jax.tree_util.register_dataclass
@@ -94,20 +108,12 @@ class BatchedGenerator:
         starts_B = np.asarray([shape.prompt_slots - len(p) for p in prompts], np.int32)
         for row, prompt in enumerate(prompts):
             tokens_BP[row, starts_B[row]:] = prompt
-        placed = [self._place(a) for a in (tokens_BP, starts_B, np.asarray(rows, np.int32))]
+        placed = [place_rows(a, self.layout) for a in (tokens_BP, starts_B, np.asarray(rows, np.int32))]
         tokens_BN, lengths_B = jax.device_get(self._program(params, *placed))
         return [tokens_BN[b, :lengths_B[b]].tolist() for b in range(count)]
 
-    def _place(self, array: np.ndarray) -> jax.Array:
-        """The host array (the same in every process) split by rows over the mesh, each device its slice."""
-        if self.layout is None:
-            return jnp.asarray(array)
-        return jax.make_array_from_callback(array.shape, self.layout.batch_sharding(), lambda index: array[index])
-
     def _generate(self, params, tokens_BP: jax.Array, starts_B: jax.Array, rows_B: jax.Array):
-        if self.layout is None:
-            return self._traced(params, tokens_BP, starts_B, rows_B)
-        with layout_hooks(eval_hooks(self.layout)):
+        with evaluating_on(self.layout):
             return self._traced(params, tokens_BP, starts_B, rows_B)
 
     def _traced(self, params, tokens_BP: jax.Array, starts_B: jax.Array, rows_B: jax.Array):

@@ -40,7 +40,7 @@ def generate_file(source: str, request: Request, settings: list[str] = (), progr
     records = read_prompts(request.prompts)
     if request.tokens < 1:
         raise UserError(f"--tokens must be at least 1, got {request.tokens}.")
-    loaded = load_model(source, request.step, list(settings), request.batch, "generation")
+    loaded = load_model(source, request.step, list(settings), request.batch, "generation", progress)
     trainer, params, origin = loaded.trainer, loaded.params, loaded.origin
     cfg, session = trainer.cfg, trainer.session
     codec = TextCodec(loaded.tokenizer)

@@ -49,9 +49,11 @@ def layout_overrides(settings: list[str]) -> dict[str, str]:
     return pairs
 
 
-def load_model(source: str, step: int | None, settings: list[str], batch: int, what: str) -> LoadedModel:
+def load_model(source: str, step: int | None, settings: list[str], batch: int, what: str,
+               progress: bool = True) -> LoadedModel:
     """The model of `source` on the layout `settings` choose, for batches of `batch` rows; `what` (generation,
-    evaluation) names the work in the one sentence for a layout it cannot run on."""
+    evaluation) names the work in the one sentence for a layout it cannot run on; progress: a bar while a
+    Hugging Face checkpoint's weights load."""
     cfg, saved, origin = _resolve(source, step, layout_overrides(list(settings)))
     cfg = _for_batches(cfg, batch, what)
     tokenizer = origin if origin is not None and (origin / TOKENIZER).is_file() else None
@@ -61,8 +63,8 @@ def load_model(source: str, step: int | None, settings: list[str], batch: int, w
         raise UserError(f"--batch {batch} must split evenly over the mesh's rows (mesh.data x mesh.expert "
                         f"= {sizes['data']} x {sizes['expert']}).")
     trainer = Trainer(on_devices(cfg, devices))
-    return LoadedModel(trainer, _weights(trainer, saved), tokenizer_folder(cfg.data, str(tokenizer or "")), origin,
-                       None if saved is None else saved[1])
+    folder = tokenizer_folder(cfg.data, str(tokenizer or ""))
+    return LoadedModel(trainer, _weights(trainer, saved, progress), folder, origin, None if saved is None else saved[1])
 
 
 def _resolve(source: str, step: int | None, overrides: dict[str, str]):
@@ -97,10 +99,11 @@ def _for_batches(cfg: Config, batch: int, what: str) -> Config:
     return dataclasses.replace(cfg, train=train, rl=RLConfig())
 
 
-def _weights(trainer: Trainer, saved) -> nnx.State:
+def _weights(trainer: Trainer, saved, progress: bool) -> nnx.State:
     """The weights on the layout's shardings: a run's checkpoint, or model.from_hf's files."""
     if saved is None:
-        return load_params(trainer.session.hf_checkpoint, trainer.cfg.model, trainer.param_shardings)[0]
+        return load_params(trainer.session.hf_checkpoint, trainer.cfg.model, trainer.param_shardings,
+                           progress=progress)[0]
     folder, step = saved
     run = SavedRun(folder)
     try:

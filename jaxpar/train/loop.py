@@ -91,7 +91,7 @@ def _logged(step: int, cfg) -> bool:
     the validation loss (train.eval_every) or runs the tasks (train.eval_tasks_every)."""
     t, sync_every = cfg.train, cfg.parallel.sync_every
     return (step % t.log_every == 0 or step in (1, t.steps) or (sync_every > 1 and step % sync_every == 0)
-            or _evaluated(step, t) or (bool(t.eval_tasks) and bool(t.eval_tasks_every)
+            or _evaluated(step, t) or (bool(t.eval_tasks.strip()) and bool(t.eval_tasks_every)
                                        and step % t.eval_tasks_every == 0))
 
 

@@ -28,7 +28,7 @@ class TensorBoardWriter:
         self._writer.add_scalar("validation/loss", loss, step)
 
     def summary(self, summary: dict) -> None:
-        """Nothing more: the summary's numbers are already on the board as scalars."""
+        """Nothing: TensorBoard keeps scalars by step, and the summary (summary.json) is the run's, not a step's."""
 
     def close(self) -> None:
         self._writer.close()
