@@ -4,6 +4,11 @@ colors_qa and colors_text: 200 multiple-choice, 50 generation and 10 perplexity 
 
 Usage:
     python benchmarks/eval_speed.py --hf-python /tmp/hfe/bin/python [--rounds 3] [--model DIR]
+        [--width D --layers N]
+
+--width and --layers make a model of that size from the fixture's config (heads of 64, a quarter of them
+key/value heads, d_ff 3 x D), random weights, exported with the fixture's tokenizer into a temporary folder:
+the same requests on a model whose matmuls, not the harness, take the time.
 
 The peer runs in its own environment (torch, transformers, lm-eval[hf]): --hf-python is its interpreter
 (tests/fixtures/eval/make_fixtures.py says how to make one). Each side is a process of its own that loads
@@ -20,9 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from common import REPO, git_commit
@@ -76,7 +83,9 @@ from lm_eval.models.huggingface import HFLM
 model = HFLM(pretrained=sys.argv[1], dtype="float32", batch_size=int(sys.argv[3]), max_length=128, device="cpu")
 tasks = [os.path.join(sys.argv[4], name + ".yaml") for name in sys.argv[2].split(",")]
 os.chdir(sys.argv[4])  # lm-eval reads a task's relative data_files from the working folder
-timed_runs(model, lambda: lm_eval.simple_evaluate(model=model, tasks=tasks))
+from lm_eval.tasks import TaskManager
+manager = TaskManager(include_defaults=False)  # as jaxpar's: no index of lm-eval's own tasks to build
+timed_runs(model, lambda: lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=manager))
 """
 
 
@@ -89,12 +98,34 @@ def _side(python: str, code: str, model: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _random_model(fixture: Path, width: int, layers: int, out: Path) -> Path:
+    """A Llama of d_model `width` and `layers` layers with random weights and the fixture's tokenizer."""
+    from flax import nnx
+
+    from jaxpar.interop import hf
+    from jaxpar.model.transformer import Transformer
+
+    _, config = hf.load(fixture)
+    heads = width // 64
+    config = config.replace(**{"model.d_model": width, "model.n_layers": layers, "model.n_heads": heads,
+                               "model.n_kv_heads": max(heads // 4, 1), "model.head_dim": 64, "model.d_ff": 3 * width,
+                               "model.from_hf": ""})  # its own config.json, not the fixture's shapes
+    hf.save(Transformer(config.model, rngs=nnx.Rngs(0)), config, out / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(fixture / name, out / "model" / name)
+    return out / "model"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf-python", required=True, help="the interpreter with torch, transformers and lm-eval")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", type=Path, default=REPO / "tests" / "fixtures" / "eval" / "model")
+    parser.add_argument("--width", type=int, help="d_model of a random model made from the fixture's config")
+    parser.add_argument("--layers", type=int, default=8, help="with --width: its layers (default 8)")
     args = parser.parse_args()
+    if args.width:
+        args.model = _random_model(args.model, args.width, args.layers, Path(tempfile.mkdtemp(prefix="eval-speed-")))
     runs = {"jaxpar": [], "hf": []}
     for _ in range(args.rounds):
         runs["jaxpar"].append(_side(sys.executable, JAXPAR_SIDE, args.model))
@@ -119,6 +150,7 @@ def main() -> None:
     print(f"requests/s, jaxpar / hf: second runs {medians['jaxpar', 1] / medians['hf', 1]:.2f}, first runs "
           f"{medians['jaxpar', 0] / medians['hf', 0]:.2f}")
     print(json.dumps({"benchmark": "eval_speed", "commit": git_commit(), "machine": record, "requests": REQUESTS,
+                      "model": str(args.model), "width": args.width, "layers": args.layers if args.width else None,
                       "runs": runs, "ratio_second": medians["jaxpar", 1] / medians["hf", 1]}))
 
 
