@@ -132,7 +132,8 @@ doc_to_target: 0
 @pytest.mark.parametrize("tasks, words", [
     pytest.param("hellaswg", "lm-eval has no task 'hellaswg'; the closest are hellaswag",
                  marks=pytest.mark.slow),  # lm-eval's index of its tasks takes seconds to build
-    ("hellaswag", "the dataset of task hellaswag cannot be read (Couldn't reach 'Rowan/hellaswag' on the Hub"),
+    pytest.param("hellaswag", "the dataset of task hellaswag cannot be read (Couldn't reach 'Rowan/hellaswag' on the "
+                              "Hub", marks=pytest.mark.slow),  # the index again, and datasets' look at the hub
     ("{bad}", "the dataset of task {bad} cannot be read (Unable to find '{folder}/not_here.jsonl')"),
     ("missing.yaml", "the task file missing.yaml does not exist."),
     ("{malformed}", "the task file {malformed} cannot be read (while parsing a flow mapping)."),
