@@ -137,16 +137,17 @@ def add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="the layout, as for train (mesh.data=4 "
                    "mesh.tensor=2, parallel.zero=3, train.precision=fp32)")
     p.add_argument("--tasks", required=True, metavar="T1,T2", help="task YAML files, jaxpar's own tasks "
-                   "(configs/evals: colors_mc, colors_qa) or names lm-eval knows (hellaswag, arc_easy, ...)")
-    p.add_argument("--limit", type=int, help="documents a task at most (default: all)")
-    p.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
-    p.add_argument("--batch", type=int, default=8, help="rows a batch, a multiple of mesh.data x mesh.expert "
-                                                       "(default 8)")
+                   "(configs/evals: colors_mc, colors_qa, colors_text) or names lm-eval knows (hellaswag, "
+                   "arc_easy, ...)")
+    p.add_argument("--limit", type=int, metavar="N", help="documents a task at most (default: all)")
+    p.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples (default: each task's own)")
+    p.add_argument("--batch", type=int, default=8, metavar="B", help="rows a batch, a multiple of mesh.data x "
+                                                                    "mesh.expert (default 8)")
     p.add_argument("--out", metavar="FILE.json", help="where lm-eval's results JSON goes (default: "
                    "RUN_DIR/eval/results-step<N>.json, or eval-results.json for a Hugging Face folder)")
     p.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON")
-    p.add_argument("--max-length", type=int, help="the longest sequence a request runs at, its context cut from the "
-                   "left to fit (default: a run's model.seq_len; a Hugging Face checkpoint's max_position_embeddings, "
-                   "as lm-eval's Hugging Face backend reads it)")
+    p.add_argument("--max-length", type=int, metavar="N", help="the longest sequence a request runs at, its context "
+                   "cut from the left to fit (default: a run's model.seq_len; a Hugging Face checkpoint's "
+                   "max_position_embeddings, as lm-eval's Hugging Face backend reads it)")
     p.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
