@@ -21,9 +21,9 @@ from lm_eval.utils import handle_non_serializable
 from jaxpar.config import Config
 from jaxpar.config.precision import of as precision_of
 from jaxpar.data.folders import write_atomically
-from jaxpar.data.token_folder import tokenizer_folder, tokenizer_settings
+from jaxpar.data.token_folder import tokenizer_settings
 from jaxpar.errors import UserError
-from jaxpar.evals.harness import EvalModel, JaxparLM, check_tasks
+from jaxpar.evals.harness import EvalModel, JaxparLM
 from jaxpar.evals.tasks import evaluate, load_tasks, parse_tasks
 from jaxpar.interop.hf_config import read_config
 from jaxpar.sampling.command import stop_ids
@@ -61,10 +61,10 @@ def evaluate_source(source: str, request: Request, settings: list[str] = (), pro
     trainer = loaded.trainer
     max_length = request.max_length or (trainer.cfg.model.seq_len if loaded.step is not None
                                         else hf_context_length(Path(source)))
-    check_tasks(tasks, max_length, trainer.cfg.model.vocab_size)
     model = EvalModel(trainer.graphdef, loaded.params, trainer.cfg.model, trainer.session.precision, trainer.layout,
                       loaded.tokenizer, stop_ids(loaded.origin), request.batch, max_length)
     lm = JaxparLM(model, progress)
+    lm.check(tasks)
     started = time.perf_counter()
     results = evaluate(lm, tasks, request.limit, request.num_fewshot, request.log_samples, quiet=not progress)
     seconds = time.perf_counter() - started
@@ -95,13 +95,11 @@ def evaluate_model(model: nnx.Module, config: Config, tasks: str, limit: int | N
     folder, or model.from_hf's), unless `tokenizer` names a folder; requests run at up to `max_length` tokens
     (0: model.seq_len)."""
     graphdef, params = nnx.split(model)
-    folder = Path(tokenizer) if tokenizer is not None else tokenizer_folder(config.data, config.model.from_hf)
-    origin = Path(config.model.from_hf) if config.model.from_hf else None
-    eval_model = EvalModel(graphdef, params, config.model, precision_of(config), None, folder, stop_ids(origin), batch,
-                           max_length)
+    lm = JaxparLM(EvalModel.of_config(graphdef, params, config, precision_of(config), None, batch,
+                                      None if tokenizer is None else Path(tokenizer), max_length))
     loaded = load_tasks(parse_tasks(tasks))
-    check_tasks(loaded, max_length or config.model.seq_len, config.model.vocab_size)
-    return evaluate(JaxparLM(eval_model), loaded, limit, log_samples=log_samples)
+    lm.check(loaded)
+    return evaluate(lm, loaded, limit, log_samples=log_samples)
 
 
 def task_metrics(results: dict) -> dict[str, dict[str, float]]:

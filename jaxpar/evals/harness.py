@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 from flax import nnx
@@ -24,14 +23,15 @@ from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normaliz
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from jaxpar.config import ModelConfig
+from jaxpar.config import Config, ModelConfig
 from jaxpar.config.precision import PrecisionPolicy
-from jaxpar.data.token_folder import TextCodec, end_of_document, special_token, tokenizer_settings
+from jaxpar.data.token_folder import TextCodec, end_of_document, special_token, tokenizer_folder, tokenizer_settings
 from jaxpar.errors import UserError
 from jaxpar.evals.scoring import Scored, TokenScorer, bucket, request_row
 from jaxpar.parallel.layout import Layout
 from jaxpar.sampling.batched import BatchedGenerator, Shape
 from jaxpar.sampling.choice import Sampling
+from jaxpar.sampling.command import stop_ids
 
 BYTE_PREFIX = ord("\n")  # a model of bytes: what an empty context starts from
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's Hugging Face backend's, for requests that name none
@@ -55,6 +55,15 @@ class EvalModel:
     batch: int = 8
     max_length: int = 0
 
+    @classmethod
+    def of_config(cls, graphdef: nnx.GraphDef, params, cfg: Config, precision: PrecisionPolicy,
+                  layout: Layout | None, batch: int, tokenizer: Path | None = None, max_length: int = 0) -> EvalModel:
+        """A model of the run config `cfg`: its tokenizer the one it trains with (data.source's tokenized folder,
+        or model.from_hf's) unless `tokenizer` names a folder, its end tokens model.from_hf's."""
+        origin = Path(cfg.model.from_hf) if cfg.model.from_hf else None
+        folder = tokenizer if tokenizer is not None else tokenizer_folder(cfg.data, cfg.model.from_hf)
+        return cls(graphdef, params, cfg.model, precision, layout, folder, stop_ids(origin), batch, max_length)
+
     def __post_init__(self):
         learned = self.model_cfg.positions == "learned"
         if self.max_length < 0 or (learned and self.max_length > self.model_cfg.seq_len):
@@ -63,7 +72,7 @@ class EvalModel:
 
 
 class JaxparLM(TemplateLM):
-    """An lm-eval model over an EvalModel. `requests` and `seconds` count what it has answered."""
+    """An lm-eval model over an EvalModel. `requests` counts what it has answered."""
 
     def __init__(self, model: EvalModel, progress: bool = False):
         super().__init__()
@@ -73,10 +82,9 @@ class JaxparLM(TemplateLM):
         # lm-eval stops every generation at the end of sequence too (its Hugging Face backend adds it)
         self._stop_ids = model.stop_ids | ({self._eot} if self._eot is not None else set())
         self._prefix_text = None if model.tokenizer is None else self.codec.decode([self._prefix], skip_special=False)
-        self.scorer = TokenScorer(model.graphdef, model.model_cfg, model.precision, model.batch, self.max_length,
-                                  model.layout)
+        self.scorer = TokenScorer(model.graphdef, model.precision, model.batch, self.max_length, model.layout)
         self._generators: dict[tuple, BatchedGenerator] = {}
-        self.requests, self.seconds = 0, 0.0
+        self.requests = 0
 
     @property
     def eot_token_id(self) -> int | None:
@@ -100,14 +108,12 @@ class JaxparLM(TemplateLM):
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        started = time.perf_counter()
         scored = self._score([(context, continuation) for _, context, continuation in requests])
-        self._count(len(requests), started)
+        self.requests += len(requests)
         return [(s.loglikelihood, s.is_greedy) for s in scored]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text's log-likelihood: the sum over its disjoint windows of max_length tokens."""
-        started = time.perf_counter()
         windows, owners = [], []
         for index, request in enumerate(requests):
             tokens = self.tok_encode(request.args[0])
@@ -117,7 +123,7 @@ class JaxparLM(TemplateLM):
         totals = [0.0] * len(requests)
         for owner, scored in zip(owners, self._score(windows)):
             totals[owner] += scored.loglikelihood
-        self._count(len(requests), started)
+        self.requests += len(requests)
         return totals
 
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[Scored]:
@@ -126,7 +132,6 @@ class JaxparLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each request's generation, grouped by its settings and sorted longest first."""
-        started = time.perf_counter()
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
@@ -137,7 +142,7 @@ class JaxparLM(TemplateLM):
                                                         requests[indices[0]].args[1], indices):
                     out[index] = text
                     bar.update(1)
-        self._count(len(requests), started)
+        self.requests += len(requests)
         return out
 
     def _generate_group(self, contexts: list[str], gen_kwargs: dict, indices: list[int]):
@@ -145,9 +150,7 @@ class JaxparLM(TemplateLM):
         kwargs = normalize_gen_kwargs(gen_kwargs, DEFAULT_MAX_GEN_TOKS)
         eos = None if self._eot is None else self.codec.decode([self._eot], skip_special=False)
         until, new_tokens = handle_stop_sequences(kwargs.pop("until", None), eos or None), kwargs.pop("max_gen_toks")
-        if new_tokens >= self.max_length:
-            raise UserError(f"a task asks for {new_tokens} new tokens, but the model's context is "
-                            f"{self.max_length} tokens.")
+        self._check_room("a task", new_tokens)
         prompts = [self.tok_encode(c)[-(self.max_length - new_tokens):] for c in contexts]
         order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), contexts[i]))
         sampling = _sampling(kwargs, self.model.model_cfg.vocab_size)
@@ -167,21 +170,20 @@ class JaxparLM(TemplateLM):
                                                      frozenset(self._stop_ids), m.layout)
         return self._generators[key]
 
-    def _count(self, requests: int, started: float) -> None:
-        self.requests += requests
-        self.seconds += time.perf_counter() - started
+    def check(self, tasks) -> None:
+        """One sentence for a generation task whose new tokens leave no room for a context, or whose sampling
+        settings are out of range, before any task runs."""
+        vocab_size = self.model.model_cfg.vocab_size
+        for task in tasks:
+            if task.OUTPUT_TYPE == "generate_until":
+                kwargs = normalize_gen_kwargs(task.config.generation_kwargs or {}, DEFAULT_MAX_GEN_TOKS)
+                self._check_room(f"task {task.config.task}", kwargs["max_gen_toks"])
+                _sampling(kwargs, vocab_size).check(vocab_size)
 
-
-def check_tasks(tasks, max_length: int, vocab_size: int) -> None:
-    """One sentence for a generation task whose new tokens leave no room for a context, or whose sampling
-    settings are out of range, before any task runs."""
-    for task in tasks:
-        if task.OUTPUT_TYPE == "generate_until":
-            kwargs = normalize_gen_kwargs(task.config.generation_kwargs or {}, DEFAULT_MAX_GEN_TOKS)
-            if kwargs["max_gen_toks"] >= max_length:
-                raise UserError(f"task {task.config.task} asks for {kwargs['max_gen_toks']} new tokens, but requests "
-                                f"run at {max_length} tokens at most (--max-length; a run's model.seq_len).")
-            _sampling(kwargs, vocab_size).check(vocab_size)
+    def _check_room(self, asker: str, new_tokens: int) -> None:
+        if new_tokens >= self.max_length:
+            raise UserError(f"{asker} asks for {new_tokens} new tokens, but requests run at {self.max_length} tokens "
+                            f"at most (--max-length; a run's model.seq_len).")
 
 
 def _sampling(kwargs: dict, vocab_size: int) -> Sampling:

@@ -13,12 +13,10 @@ import dataclasses
 import functools
 import math
 import time
-from pathlib import Path
 
 import jax
 
-from jaxpar.data.token_folder import tokenizer_folder
-from jaxpar.sampling.command import stop_ids
+from jaxpar.evals import task_names, tasks_due
 from jaxpar.session import Session
 from jaxpar.train.trainer import Trainer
 
@@ -30,14 +28,12 @@ class TaskEvals:
     the tasks took once the step had finished)."""
 
     def __init__(self, session: Session, trainer: Trainer):
-        t = session.cfg.train
-        self.trainer, self.every, self.last, self.limit = trainer, t.eval_tasks_every, t.steps, t.eval_tasks_limit
-        self.active = bool(t.eval_tasks.strip())
-        if self.active:
+        self.trainer, self.train = trainer, session.cfg.train
+        if task_names(self.train.eval_tasks):
             self.tasks, self.lm = _open(session, trainer)
 
     def due(self, step: int) -> bool:
-        return self.active and (step % self.every == 0 if self.every else step == self.last)
+        return tasks_due(step, self.train)
 
     def run(self, params) -> tuple[dict[str, float], float]:
         from jaxpar.evals.command import task_metrics
@@ -48,7 +44,7 @@ class TaskEvals:
         weights = self.trainer.to_model_order(self._weights(params))
         self.lm.model = dataclasses.replace(self.lm.model, params=weights)
         # no bootstrapped standard errors: the metrics row keeps the metrics alone
-        results = evaluate(self.lm, self.tasks, self.limit or None, quiet=True, bootstrap_iters=0)
+        results = evaluate(self.lm, self.tasks, self.train.eval_tasks_limit or None, quiet=True, bootstrap_iters=0)
         scores = {f"eval/{task}/{metric}": value for task, metrics in task_metrics(results).items()
                   for metric, value in metrics.items()}
         return scores, time.perf_counter() - started
@@ -60,15 +56,12 @@ class TaskEvals:
 
 def _open(session: Session, trainer: Trainer):
     """(the tasks, their datasets read; the lm-eval model, its weights set before each run)."""
-    from jaxpar.evals.harness import EvalModel, JaxparLM, check_tasks
+    from jaxpar.evals.harness import EvalModel, JaxparLM
     from jaxpar.evals.tasks import load_tasks, parse_tasks
 
-    cfg = session.cfg
-    tasks = load_tasks(parse_tasks(cfg.train.eval_tasks), progress=False)
-    check_tasks(tasks, cfg.model.seq_len, cfg.model.vocab_size)
+    tasks = load_tasks(parse_tasks(session.cfg.train.eval_tasks), progress=False)
     rows = session.mesh_sizes["data"] * session.mesh_sizes["expert"]
-    origin = Path(cfg.model.from_hf) if cfg.model.from_hf else None
-    batch = rows * math.ceil(MIN_ROWS / rows)
-    model = EvalModel(trainer.graphdef, None, cfg.model, session.precision, trainer.layout,
-                      tokenizer_folder(cfg.data, cfg.model.from_hf), stop_ids(origin), batch)
-    return tasks, JaxparLM(model)
+    lm = JaxparLM(EvalModel.of_config(trainer.graphdef, None, session.cfg, session.precision, trainer.layout,
+                                      rows * math.ceil(MIN_ROWS / rows)))
+    lm.check(tasks)
+    return tasks, lm

@@ -20,7 +20,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import ModelConfig
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.errors import UserError
 from jaxpar.model.adapters import read_as
@@ -64,9 +63,9 @@ class TokenScorer:
     backend does: the choices of a multiple-choice question that are one token each differ only in the last
     target, so one row gives them all, from the log-probabilities of its last position over the vocabulary."""
 
-    def __init__(self, graphdef: nnx.GraphDef, model_cfg: ModelConfig, precision: PrecisionPolicy, batch: int,
-                 max_length: int, layout: Layout | None = None):
-        self.graphdef, self.cfg, self.precision, self.batch, self.layout = graphdef, model_cfg, precision, batch, layout
+    def __init__(self, graphdef: nnx.GraphDef, precision: PrecisionPolicy, batch: int, max_length: int,
+                 layout: Layout | None = None):
+        self.graphdef, self.precision, self.batch, self.layout = graphdef, precision, batch, layout
         self.max_length = max_length
         replicated = None if layout is None else NamedSharding(layout.mesh, PartitionSpec())
         self._program = jax.jit(self._score, out_shardings=replicated)

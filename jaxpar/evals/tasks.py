@@ -27,15 +27,15 @@ from lm_eval.tasks._yaml_loader import load_yaml
 
 from jaxpar.config import CONFIG_DIR
 from jaxpar.errors import UserError
+from jaxpar.evals import YAML_SUFFIXES, task_names
 
 OWN_TASKS = CONFIG_DIR / "evals"
 BOOTSTRAP_ITERS = 100_000  # lm-eval's own default
-YAML = (".yaml", ".yml")
 
 
 def parse_tasks(text: str) -> list[str]:
     """'T1,T2' as task names or paths; one sentence for an empty list."""
-    names = [t.strip() for t in text.split(",") if t.strip()]
+    names = task_names(text)
     if not names:
         raise UserError("give at least one task: --tasks NAME[,NAME...] (a task YAML, or a name lm-eval knows).")
     return names
@@ -65,7 +65,7 @@ def _load(name: str) -> list[Task]:
 def _spec(name: str) -> str | dict:
     """A YAML (given, or jaxpar's own) as its config with data files found beside it; else the name."""
     path = Path(name)
-    if name.endswith(YAML) or path.is_file():
+    if name.endswith(YAML_SUFFIXES) or path.is_file():
         if not path.is_file():
             raise UserError(f"the task file {name} does not exist.")
         return _config(path)

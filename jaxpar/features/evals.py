@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxpar.config import Config
-from jaxpar.evals import lm_eval_missing
+from jaxpar.evals import YAML_SUFFIXES, lm_eval_missing, task_names
 from jaxpar.features.feature import Checks
 
 SWITCHES = ()
@@ -18,14 +18,15 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
     for key in ("eval_tasks_every", "eval_tasks_limit"):
         if getattr(t, key) < 0:
             yield f"train.{key} must be 0 or positive, got {getattr(t, key)}."
-    if not t.eval_tasks.strip():
+    names = task_names(t.eval_tasks)
+    if not names:
         if t.eval_tasks_every or t.eval_tasks_limit:
             yield "train.eval_tasks_every and train.eval_tasks_limit set how train.eval_tasks run; name the tasks."
         return
     if missing := lm_eval_missing("train.eval_tasks"):
         yield missing
-    for name in (n.strip() for n in t.eval_tasks.split(",")):
-        if name.endswith((".yaml", ".yml")) and not Path(name).is_file():
+    for name in names:
+        if name.endswith(YAML_SUFFIXES) and not Path(name).is_file():
             yield f"train.eval_tasks names the task file {name}, which does not exist."
     if sizes.get("stage", 1) > 1 or sizes.get("context", 1) > 1:
         yield "train.eval_tasks runs on meshes without stages or context parallelism; set mesh.stage=1 and " \

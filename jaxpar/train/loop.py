@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from jaxpar.data.sources import token_source
 from jaxpar.data.token_folder import is_token_folder
+from jaxpar.evals import tasks_due
 from jaxpar.evals.in_loop import TaskEvals
 from jaxpar.runtime.distributed import ENV_ATTEMPT, StopAgreement, is_secondary
 from jaxpar.runtime.elastic import record_rows
@@ -91,8 +92,7 @@ def _logged(step: int, cfg) -> bool:
     the validation loss (train.eval_every) or runs the tasks (train.eval_tasks_every)."""
     t, sync_every = cfg.train, cfg.parallel.sync_every
     return (step % t.log_every == 0 or step in (1, t.steps) or (sync_every > 1 and step % sync_every == 0)
-            or _evaluated(step, t) or (bool(t.eval_tasks.strip()) and bool(t.eval_tasks_every)
-                                       and step % t.eval_tasks_every == 0))
+            or _evaluated(step, t) or tasks_due(step, t))
 
 
 def _evaluated(step: int, t) -> bool:
