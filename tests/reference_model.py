@@ -133,14 +133,16 @@ class OptimConfig:
 
 
 def learning_rate(step, o: OptimConfig):
-    """Linear warmup from 0 to o.lr over o.warmup steps, then cosine decay to o.lr / 10 at o.horizon."""
+    """Linear warmup: step s < o.warmup takes o.lr (s + 1) / o.warmup, so step o.warmup - 1 is the peak; then
+    cosine decay from the peak to o.lr / 10 at o.horizon."""
     warmup = min(o.warmup, o.horizon)
+    peak = max(warmup - 1, 0)
     step = jnp.asarray(step, jnp.float32)
-    cosine_steps = max(o.horizon, warmup + 1) - warmup
-    progress = jnp.clip(step - warmup, 0, cosine_steps) / cosine_steps
+    cosine_steps = max(o.horizon, peak + 1) - peak
+    progress = jnp.clip(step - peak, 0, cosine_steps) / cosine_steps
     end = 0.1 * o.lr
     cosine = end + (o.lr - end) * 0.5 * (1 + jnp.cos(math.pi * progress))
-    return jnp.where(step < warmup, o.lr * step / max(warmup, 1), cosine)
+    return jnp.where(step < peak, o.lr * (step + 1) / max(warmup, 1), cosine)
 
 
 def decays(name: str) -> bool:

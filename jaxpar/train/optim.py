@@ -37,12 +37,15 @@ class Optimizer(NamedTuple):
 
 def lr_schedule(t: TrainConfig) -> optax.Schedule:
     """Linear warmup to train.lr, then cosine decay to a tenth of it at train.lr_schedule_steps
-    (train.steps when 0), so a run cut into several jobs keeps one trajectory."""
+    (train.steps when 0), so a run cut into several jobs keeps one trajectory. Step s < train.warmup takes
+    lr (s + 1) / warmup: the first step already learns (a warmup from 0 makes it a step that changes no
+    weight, which verify could not judge), and step warmup - 1 is the peak."""
     horizon = t.lr_schedule_steps or t.steps
     warmup = min(t.warmup, horizon)
+    peak_step = max(warmup - 1, 0)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=warmup, decay_steps=max(horizon, warmup + 1),
-        end_value=t.lr * 0.1)
+        init_value=t.lr / max(warmup, 1), peak_value=t.lr, warmup_steps=peak_step,
+        decay_steps=max(horizon, peak_step + 1), end_value=t.lr * 0.1)
 
 
 def _decay_mask(params):
