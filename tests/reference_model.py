@@ -156,12 +156,16 @@ def init_optimizer(params: dict) -> dict:
     return {"count": jnp.zeros((), jnp.int32), "m": zeros, "v": dict(zeros)}
 
 
-def train_step(params: dict, opt: dict, tokens_BT, o: OptimConfig, rope_base=ROPE_BASE, norm_eps=NORM_EPS):
+def train_step(params: dict, opt: dict, tokens_BT, o: OptimConfig, rope_base=ROPE_BASE, norm_eps=NORM_EPS,
+               grad_params: dict | None = None):
     """One step: gradients of the mean loss, clip to o.clip_norm, AdamW update.
 
+    grad_params: the weights the gradients (and the loss) are taken at, if not `params` (PipeDream-2BW,
+    Narayanan et al. 2021, section 3.1: W(t+1) = W(t) - lr * update(grad f(W(t-1))), the decay on W(t)).
     Returns (params, opt, metrics) with metrics 'loss', 'grad_norm' (before clipping) and 'lr'.
     """
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BT, rope_base, norm_eps)
+    at = params if grad_params is None else grad_params
+    loss, grads = jax.value_and_grad(loss_fn)(at, tokens_BT, rope_base, norm_eps)
     grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in grads.values()))
     clip = jnp.minimum(1.0, o.clip_norm / grad_norm)
     count = opt["count"] + 1
