@@ -5,7 +5,7 @@ from helpers import SMALL_MODEL
 
 from jaxpar.config.precision import POLICIES
 from jaxpar.train import verify as verify_module
-from jaxpar.train.verify import verify
+from jaxpar.train.verify import DEFAULT_STEPS, verify
 
 # Each mesh split alone is verified by tests/test_factorisations.py (or by the module it names);
 # here the switches on top of one. Switches that do not interact share a run: each one's code is
@@ -37,11 +37,12 @@ def test_layout_matches_single_device(layout, session_for):
 def test_half_precision_stays_within_its_tolerance_of_fp32(session_for, precision):
     result = verify(session_for("train.steps=5", *SMALL_MODEL, "mesh.data=4", "mesh.tensor=2",
                                 f"train.precision={precision}"), log=lambda line: None)
-    loss_tol, param_tol = POLICIES[precision].tolerances
     assert result["ok"], result
-    assert result["loss_max_rel_err"] <= loss_tol and result["param_max_rel_err"] <= param_tol
+    assert result["loss_max_rel_err"] <= POLICIES[precision].tolerances[0]
+    assert result["grad_max_rel_err"] <= POLICIES[precision].grad_tolerance
+    assert result["update_max_rel_err"] <= POLICIES[precision].update_tolerance
     # half precision really is in use: it cannot match fp32 to fp32 precision.
-    assert result["param_max_rel_err"] > POLICIES["fp32"].tolerances[1]
+    assert result["update_max_rel_err"] > POLICIES["fp32"].update_tolerance
 
 
 @pytest.mark.slow
@@ -65,5 +66,15 @@ def test_verify_cli_prints_json_last_line(tmp_path, capsys):
     code = main(["verify", *SMALL_MODEL, *LAYOUTS["data=8, zero 1, grad_accum=4"], f"run.dir={tmp_path}"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     result = json.loads(last)
-    assert code == 0 and result["ok"] is True and result["steps"] == 3
-    assert set(result) == {"ok", "layout", "steps", "loss_max_rel_err", "param_max_rel_err", "update_ties"}
+    assert code == 0 and result["ok"] is True and result["steps"] == DEFAULT_STEPS
+    assert set(result) == {"ok", "layout", "steps", "loss_max_rel_err", "grad_norm_max_rel_err", "grad_max_rel_err",
+                           "update_max_rel_err", "param_max_rel_err", "failures"}
+    assert result["failures"] == []
+
+
+def test_verify_makes_at_least_four_updates_the_first_one_learning():
+    from jaxpar.config import TrainConfig
+    from jaxpar.train.optim import lr_schedule
+
+    assert DEFAULT_STEPS >= 5  # four updates each followed by a compared loss, and one the weights show
+    assert float(lr_schedule(TrainConfig(lr=1e-3, warmup=20, steps=5))(0)) == pytest.approx(1e-3 / 20)

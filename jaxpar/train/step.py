@@ -308,11 +308,14 @@ def _updated(optimizer: Optimizer, state: TrainState, grads, finite, layout: Lay
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, layout: Layout,
-                    pipeline: PipelinePlan, precision: PrecisionPolicy, trace_routing: bool = False):
+                    pipeline: PipelinePlan, precision: PrecisionPolicy, trace_routing: bool = False,
+                    trace_gradients: bool = False):
     """Build the pure step for one layout and pipeline plan (a plan without a table: no pipeline):
     gradients, unscaled; the update (kept back whole where a gradient is not finite and that is
-    checked); the metrics. trace_routing: see jaxpar.model.moe_step. Under PipeDream-2BW gradients are
-    taken on the weights one step old (state.stale_params) and applied to the current ones."""
+    checked); the metrics. trace_routing: see jaxpar.model.moe_step. trace_gradients: the metrics also
+    hold the gradients the optimizer took (`gradients`, in the layout's layer order), for verify. Under
+    PipeDream-2BW gradients are taken on the weights one step old (state.stale_params) and applied to the
+    current ones."""
     t = cfg.train
     experts = ExpertTerms.build(cfg.model.moe, t.seed, cfg.model.n_layers,
                                 layout.manual_batch_ways * pipeline.microbatches(t.grad_accum), trace_routing,
@@ -335,7 +338,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         loss_scale = state.loss_scale.after_step(finite, precision)
         metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step),
                    "loss_scale": scale, "skipped_steps": loss_scale.skipped_steps, **experts.step_metrics(stats),
-                   **pipeline.step_metrics()}
+                   **pipeline.step_metrics(), **({"gradients": grads} if trace_gradients else {})}
         stale = state.params if pipeline.stale_weights else None
         return TrainState(state.step + 1, params, opt_state, loss_scale, stale), metrics
 

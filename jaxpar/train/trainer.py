@@ -48,15 +48,17 @@ class Trainer:
     from nnx.Rngs; None: jaxpar's Transformer) and `rules` (its own logical names) are kept as given,
     for a reference trainer of the same model on another config. trace_routing: the step's metrics also
     hold each token's routing decisions, and the step takes decisions to replay as a third argument
-    (verify; jaxpar.train.step.make_train_step).
+    (verify; jaxpar.train.step.make_train_step); trace_gradients: they hold the step's gradients (verify;
+    a synchronous strategy only: local SGD's metrics are its replicas' means).
 
     layout: where the synchronous state lives (evaluation, samples and imported weights use it);
     state_layout: where the training state lives (the strategy's); param_shardings: the parameters
     on `layout`, in model order."""
 
     def __init__(self, session: Session, model: Callable[[nnx.Rngs], nnx.Module] | None = None,
-                 rules: Mapping | None = None, trace_routing: bool = False):
+                 rules: Mapping | None = None, trace_routing: bool = False, trace_gradients: bool = False):
         self.session, self.model, self.rules, self.trace_routing = session, model, rules, trace_routing
+        self.trace_gradients = trace_gradients
         self.cfg, self.mesh, self.precision = session.cfg, session.mesh, session.precision
         self._lay_out()
         self.step, self.eval_loss = self._compile_steps()
@@ -103,7 +105,7 @@ class Trainer:
 
     def _two_bw_step(self):
         return make_two_bw_step(self.graphdef, self.optimizer, self.cfg, self.state_layout, self.pipeline,
-                                self.precision, self.trace_routing)
+                                self.precision, self.trace_routing, self.trace_gradients)
 
     def _compile_steps(self):
         """(step(state, tokens_BT) -> (state, metrics), eval_loss(params, tokens_BT) -> loss), both jitted
@@ -112,7 +114,8 @@ class Trainer:
         if self.pipeline.carries:
             return self._compile_two_bw(), self._compile_eval()
         train_step = self.strategy.step(make_train_step(self.graphdef, self.optimizer, self.cfg, self.state_layout,
-                                                        self.pipeline, self.precision, self.trace_routing))
+                                                        self.pipeline, self.precision, self.trace_routing,
+                                                        self.trace_gradients))
         replayed = (self.batch_sharding,) if self.trace_routing else ()
         step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_sharding, *replayed),
                        out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)

@@ -33,10 +33,12 @@ from jaxpar.train.step import RowInputs, _preparation, _updated, in_device_order
 
 
 def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, layout: Layout,
-                     pipeline: PipelinePlan, precision: PrecisionPolicy, trace_routing: bool = False):
+                     pipeline: PipelinePlan, precision: PrecisionPolicy, trace_routing: bool = False,
+                     trace_gradients: bool = False):
     """step(state, batch, has_current) -> (state, the previous step's metrics, with 'completed': whether
     there was a previous step). has_current False: the drain, whose batch is only a shape. trace_routing:
-    the metrics hold the previous step's routing decisions (jaxpar.model.moe_step; verify replays them)."""
+    the metrics hold the previous step's routing decisions (jaxpar.model.moe_step; verify replays them);
+    trace_gradients: the previous step's gradients (verify compares them)."""
     t, M = cfg.train, pipeline.table.microbatches
     experts = ExpertTerms.build(cfg.model.moe, t.seed, cfg.model.n_layers, layout.manual_batch_ways * M,
                                 trace_routing, keyed_rows=cfg.model.lora.dropout > 0,
@@ -78,7 +80,8 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
         loss_scale = state.loss_scale.after_step(finite, precision)
         metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step - 1),
                    "loss_scale": scale, "skipped_steps": loss_scale.skipped_steps, **experts.step_metrics(stats),
-                   **pipeline.step_metrics(), "completed": flight.live}
+                   **pipeline.step_metrics(), "completed": flight.live,
+                   **({"gradients": grads} if trace_gradients else {})}
         in_flight = InFlight(carry, own, noise_B, has_current)
         stale = unless_skipped(flight.live, state.params, state.stale_params)
         return TrainState(state.step + has_current.astype(jnp.int32), params, opt_state, loss_scale, stale,

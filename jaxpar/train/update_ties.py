@@ -27,6 +27,11 @@ from jaxpar.train.checkpoint_fit import flat_by_path
 # elements, 1.4e-5; none: 1.3e-4, one wo element moved by 0.24 lr).
 # Reduced precisions compare against fp32 at tolerances that already cover their rounding of every update.
 TIE_TOLERANCE = 2.0 ** -12
+# Ties are few and mostly go the reference's way; a layout that moves them otherwise is wrong, not tied.
+# Measured (fp32, GRPO, small model): see MEASURED below.
+MAX_TIE_SHARE = 2e-3
+MAX_REVERSED_SHARE = 0.25
+FEWEST_JUDGED = 8  # the reversed share is over at least this many ties: one or two of a handful may go either way
 
 
 def _second_moments(opt_state) -> dict[str, np.ndarray]:
@@ -45,6 +50,8 @@ class UpdateTies:
     def __init__(self, initial_params: dict[str, np.ndarray]):
         self.initial = initial_params  # the reference's weights before its first step, by path
         self.ties: dict[str, np.ndarray] = {}  # path -> elements that were ties after some step
+        self.reached: dict[str, float] = {}  # path -> the tied elements' farthest move beyond the tensor's reach
+        self.reversed = self.moved = 0  # tied elements the two sides moved opposite ways, and those moved at all
 
     def add(self, opt_state) -> None:
         """Mark the elements whose second-moment root after this step is nonzero and within the tie
@@ -54,15 +61,35 @@ class UpdateTies:
             tied = (nu > 0) & (np.sqrt(nu) < TIE_TOLERANCE * np.sqrt(np.mean(nu, dtype=np.float64)))
             self.ties[key] = self.ties[key] | tied if key in self.ties else tied
 
-    def split(self, key: str, params: np.ndarray, ref_params: np.ndarray):
-        """(the layout's and the reference's weights of tensor `key` without its ties, whether its ties lie
-        within twice the farthest the reference moved any of its weights)."""
-        tied = self.ties.get(key)
-        if tied is None or not tied.any():
-            return params, ref_params, True
-        reach = 2 * np.max(np.abs(ref_params - self.initial[key]))
-        within = bool(np.all(np.abs(params[tied] - ref_params[tied]) <= reach))
-        return params[~tied], ref_params[~tied], within
+    def without_ties(self, params: dict, ref_params: dict, initial: dict) -> tuple[dict, dict, dict]:
+        """The three {path: weights} without their tied elements (flattened), after judging those."""
+        out = ({}, {}, {})
+        for key, ref in ref_params.items():
+            tied = self.ties.get(key)
+            if tied is None or not tied.any():
+                for side, value in zip(out, (params[key], ref, initial[key])):
+                    side[key] = value
+                continue
+            self._judge(key, np.asarray(params[key], np.float64), np.asarray(ref, np.float64), initial[key], tied)
+            for side, value in zip(out, (params[key], ref, initial[key])):
+                side[key] = np.asarray(value)[~tied]
+        return out
+
+    def _judge(self, key: str, params, ref, initial, tied) -> None:
+        move, ref_move = (params - initial)[tied], (ref - initial)[tied]
+        reach = 2 * np.max(np.abs(ref - initial))
+        self.reached[key] = float(np.max(np.abs(move - ref_move)) / reach) if reach > 0 else 0.0
+        moved = (ref_move != 0) & (move != 0)
+        self.moved += int(np.count_nonzero(moved))
+        self.reversed += int(np.count_nonzero(moved & (np.sign(move) != np.sign(ref_move))))
+
+    def judged(self) -> dict[str, tuple[dict, float]]:
+        """{check: ({what: value}, its bound)}: the tied share of the elements, the share of tied elements moved
+        the other way, and each tensor's farthest tied move as a share of twice its farthest update."""
+        elements = sum(tied.size for tied in self.ties.values())
+        return {"tie_share": ({"ties": self.count() / max(elements, 1)}, MAX_TIE_SHARE),
+                "tie_reversed_share": ({"ties": self.reversed / max(self.moved, FEWEST_JUDGED)}, MAX_REVERSED_SHARE),
+                "tie_reach": (self.reached, 1.0)}
 
     def count(self) -> int:
         """How many elements were judged as ties."""

@@ -1,0 +1,79 @@
+"""verify's judgement, tensor by tensor: what a layout can get wrong, each at the precision policy's tolerance.
+
+- the gradients of the first step, taken by both sides at the same weights on the same batch: each tensor's
+  gradient against the reference's, relative to the reference's (a scale, a sign, a missing or doubled
+  reduction, a tensor whose gradient never arrives: all fail, in every precision, whatever the optimizer);
+- the gradient norm at every step, before clipping (AdamW cannot see a constant scale and clipping hides it
+  from the weights; the norm shows it at once);
+- each tensor's update, its change from the start after the run: Δ_layout against Δ_reference, relative to
+  ‖Δ_reference‖ and not to the tensor, so a tensor that does not move, or moves a fraction of what it should,
+  fails however large its weights are;
+- the weights themselves, relative to each tensor (param_max_rel_err, as before, over the tensors that start
+  nonzero), which the update check contains and which stays for comparison with earlier runs.
+
+Every check reports its worst tensor; `failures` lists the worst offences of every check, largest first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WORST_REPORTED = 5  # the failing tensors the result lists
+# A tensor whose reference gradient (update) is this small a share of the whole step's is judged against that
+# floor instead of its own size: below it, a difference is rounding of the other tensors' sums (an untouched
+# embedding row, a LoRA A before its B moves) and not a wrong gradient.
+FLOOR = 1e-6
+
+
+def _norm(x: np.ndarray) -> float:
+    return float(np.linalg.norm(np.asarray(x, np.float64)))
+
+
+def _errors(layout: dict, reference: dict) -> dict[str, float]:
+    """{tensor: ‖layout - reference‖ / ‖reference‖}, each denominator at least FLOOR times the whole tree's
+    norm (a tensor both sides leave at exactly zero: 0)."""
+    whole = float(np.sqrt(sum(_norm(value) ** 2 for value in reference.values())))
+    errors = {}
+    for key, ref in reference.items():
+        diff, size = _norm(np.asarray(layout[key], np.float64) - ref), max(_norm(ref), FLOOR * whole)
+        errors[key] = diff / size if size > 0 else (0.0 if diff == 0 else np.inf)
+    return errors
+
+
+def gradient_errors(grads: dict, ref_grads: dict) -> dict[str, float]:
+    """Each tensor's first-step gradient error (the trainable tensors: a frozen one has no gradient)."""
+    return _errors(grads, {key: np.asarray(value) for key, value in ref_grads.items() if np.size(value)})
+
+
+def update_errors(params: dict, ref_params: dict, initial: dict) -> dict[str, float]:
+    """Each tensor's update error: (params - initial) against (ref_params - initial)."""
+    return _errors({key: np.asarray(params[key], np.float64) - initial[key] for key in ref_params},
+                   {key: np.asarray(ref, np.float64) - initial[key] for key, ref in ref_params.items()})
+
+
+def norm_errors(norms: list[float], ref_norms: list[float]) -> list[float]:
+    """The gradient norm's relative error at each step (a non-finite norm: inf)."""
+    return [abs(a - b) / max(abs(b), 1e-30) if np.isfinite(a) else np.inf for a, b in zip(norms, ref_norms)]
+
+
+class Verdict:
+    """The checks' worst errors and the failures among them, gathered check by check."""
+
+    def __init__(self):
+        self.worst: dict[str, float] = {}
+        self.failures: list[dict] = []
+
+    def add(self, check: str, errors: dict, tolerance: float) -> None:
+        """Record check `check` over {what: error} (tensors, or 'step N') against `tolerance`."""
+        self.worst[check] = max(errors.values(), default=0.0)
+        self.failures += [{"check": check, "where": where, "error": float(error), "tolerance": tolerance}
+                          for where, error in errors.items() if not error <= tolerance]
+
+    def report(self) -> dict:
+        """{check: its worst error, ..., 'failures': the worst offences, largest relative to tolerance first}."""
+        worst = sorted(self.failures, key=lambda f: f["error"] / f["tolerance"], reverse=True)[:WORST_REPORTED]
+        return {**self.worst, "failures": worst}
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
