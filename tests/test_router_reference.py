@@ -162,3 +162,62 @@ def test_expert_choice_matches_the_loop(seed, ties, factor):
     dispatch, combine, _, dropped, *_ = routers.expert_choice(jnp.asarray(logits), C)
     _close((dispatch, combine), expert_choice_loop(logits, C))
     assert dropped is None  # Expert Choice never overflows; the unrouted share is measured instead
+
+
+# ---------------------------------------------------------------- the noise and the auxiliary losses, by hand
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+
+def _cv2(values: np.ndarray) -> float:
+    """The squared coefficient of variation over experts, averaged over groups."""
+    return float(np.mean([np.var(v) / (np.mean(v) ** 2 + 1e-10) for v in values]))
+
+
+def noisy_topk_loop(logits, noise_scale, noise, k: int, C: int):
+    """Shazeer et al. 2017 one token at a time: H = x Wg + N(0, 1) softplus(x Wnoise) (plus 1e-2, jaxpar's floor
+    on the spread); the k best of softmax(H), gated by the softmax over their H; importance: the kept gates per
+    expert; load: each token's P(expert e stays in its top k if e's noise alone were drawn again), the paper's
+    eq. 9-10; the balance loss CV^2(importance) + CV^2(load)."""
+    dispatch, combine, importance, load = [], [], [], []
+    for x, s, n in zip(logits, noise_scale, noise):
+        spread = np.log1p(np.exp(s)) + 1e-2
+        h = x + n * spread
+        choices, group_load = [], np.zeros(E)
+        for t in range(S):
+            best = sorted(range(E), key=lambda e: (-_softmax(h[t])[e], e))[:k]
+            choices.append(list(zip(best, _softmax(h[t][best]))))
+            for e in range(E):
+                others = sorted((h[t][j] for j in range(E) if j != e), reverse=True)
+                group_load[e] += _phi((x[t, e] - others[k - 1]) / spread[t, e])  # beat the k-th best of the rest
+        d, c, _ = _fill_in_order(choices, C)
+        dispatch.append(d), combine.append(c), importance.append(c.sum(axis=(0, 2))), load.append(group_load)
+    return np.stack(dispatch), np.stack(combine), _cv2(np.stack(importance)) + _cv2(np.stack(load))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_noisy_topk_matches_the_papers_gating_and_load_estimator(k):
+    rng = np.random.default_rng(7)
+    logits, scale, noise = (rng.normal(size=(G, S, E)).astype(np.float32) for _ in range(3))
+    C = _capacity(S * k, 1.25)
+    dispatch, combine, balance, *_ = routers.noisy_topk(jnp.asarray(logits), jnp.asarray(scale), jnp.asarray(noise),
+                                                        k, C)
+    looped = noisy_topk_loop(logits, scale, noise, k, C)
+    _close((dispatch, combine), looped)
+    assert float(balance) == pytest.approx(looped[2], rel=1e-5)
+
+
+def test_switch_balance_and_z_loss_match_their_definitions():
+    """Switch's E sum_i f_i P_i (Fedus et al. 2021, eq. 4) and ST-MoE's z-loss, mean (log sum_j exp x_j)^2."""
+    logits = _logits(3, None)
+    balance = routers.switch(jnp.asarray(logits), _capacity(S, 1.0))[2]
+    expected = []
+    for group in logits:
+        probs = np.stack([_softmax(row) for row in group])
+        fraction = np.bincount(probs.argmax(axis=1), minlength=E) / S
+        expected.append(E * np.sum(fraction * probs.mean(axis=0)))
+    assert float(balance) == pytest.approx(np.mean(expected), rel=1e-6)
+    z = np.mean([np.log(np.exp(row.astype(np.float64)).sum()) ** 2 for group in logits for row in group])
+    assert float(routers.z_loss(jnp.asarray(logits))) == pytest.approx(z, rel=1e-6)
