@@ -7,8 +7,8 @@ exist.
   process through `jaxpar.cli.main(argv)` (a command that asks for more devices than the 8 emulated
   here runs as `python -m jaxpar` instead). A block's commands run in order in one temporary folder
   holding copies of configs/ and tests/fixtures/, and any `--input` file the block names, written from
-  the built-in corpus. `train` and `verify` get overrides appended (SPEED) so that each runs in
-  seconds. A command exits 0, unless a console block shows it printing `jaxpar: error: ...`: then it
+  the built-in corpus. `train` gets overrides appended (SPEED) so that each runs in seconds; `verify`
+  runs as written. A command exits 0, unless a console block shows it printing `jaxpar: error: ...`: then it
   must exit 2 and print that very sentence. Any other shell line fails the test: such a block needs a
   marker, or splitting so that its runnable part stands alone.
 - `python` blocks run with exec() in a fresh namespace, in such a folder.
@@ -41,8 +41,9 @@ MARKERS = {f"<!-- not run: {why} -->" for why in NOT_RUN} | {
 SHELL = {"bash", "sh", "shell", "console"}
 RUN_LANGUAGES = SHELL | {"python", "yaml", "yml"}
 CONFIG_SECTIONS = {"extends", "model", "mesh", "train", "parallel", "checkpoint", "data", "run", "rl"}
-# Appended so that each command runs in seconds on 2 cores; checkpoint.every is capped, not dropped.
-SPEED = {"train": ["train.steps=2", "train.eval_batches=1", "train.sample_tokens=0"], "verify": ["train.steps=1"]}
+# Appended so that each command runs in seconds on 2 cores; checkpoint.every is capped, not dropped. verify keeps
+# its steps (5 by default: four updates, each followed by a compared loss): one step would judge no update.
+SPEED = {"train": ["train.steps=2", "train.eval_batches=1", "train.sample_tokens=0"], "verify": []}
 MAX_CHECKPOINT_EVERY = 2
 IN_PROCESS_DEVICES = 8  # tests/conftest.py emulates this many before jax starts
 FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
