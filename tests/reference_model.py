@@ -89,8 +89,21 @@ def mlp(x_BLD, w: dict):
     return h_BLF @ w["mlp/w_down"]
 
 
+def block(x_BLD, w: dict, rope_base=ROPE_BASE, norm_eps=NORM_EPS) -> jax.Array:
+    """One pre-norm transformer block from its weights w ('attn/...', 'attn_norm/scale', 'mlp/...', ...)."""
+    x_BLD = x_BLD + attention(rms_norm(x_BLD, w["attn_norm/scale"], norm_eps), w, rope_base)
+    return x_BLD + mlp(rms_norm(x_BLD, w["mlp_norm/scale"], norm_eps), w)
+
+
 def forward(params: dict, tokens_BL, rope_base=ROPE_BASE, norm_eps=NORM_EPS) -> jax.Array:
     """Logits (B, L, V): embedding (+ learned positions), pre-norm blocks, final norm, output."""
+    x_BLD = final_hidden(params, tokens_BL, rope_base, norm_eps)
+    head_DV = params["head"] if "head" in params else params["embedding"].T
+    return x_BLD @ head_DV
+
+
+def final_hidden(params: dict, tokens_BL, rope_base=ROPE_BASE, norm_eps=NORM_EPS) -> jax.Array:
+    """The last block's output after the final norm (B, L, D)."""
     L = tokens_BL.shape[1]
     x_BLD = params["embedding"][tokens_BL]
     if "pos_embedding" in params:
@@ -99,13 +112,8 @@ def forward(params: dict, tokens_BL, rope_base=ROPE_BASE, norm_eps=NORM_EPS) -> 
     n_layers = params["blocks/attn/wo"].shape[0]
     for n in range(n_layers):
         w = {name: params["blocks/" + name][n] for name in layer_names}
-        h_BLD = rms_norm(x_BLD, w["attn_norm/scale"], norm_eps)
-        x_BLD = x_BLD + attention(h_BLD, w, None if "pos_embedding" in params else rope_base)
-        h_BLD = rms_norm(x_BLD, w["mlp_norm/scale"], norm_eps)
-        x_BLD = x_BLD + mlp(h_BLD, w)
-    x_BLD = rms_norm(x_BLD, params["final_norm/scale"], norm_eps)
-    head_DV = params["head"] if "head" in params else params["embedding"].T
-    return x_BLD @ head_DV
+        x_BLD = block(x_BLD, w, None if "pos_embedding" in params else rope_base, norm_eps)
+    return rms_norm(x_BLD, params["final_norm/scale"], norm_eps)
 
 
 def loss_fn(params: dict, tokens_BT, rope_base=ROPE_BASE, norm_eps=NORM_EPS) -> jax.Array:
