@@ -52,7 +52,7 @@ class Accepted(Exception):
 
 
 class StubTrainer:
-    def __init__(self, session, model=None, rules=None, trace_routing=False):
+    def __init__(self, session, model=None, rules=None, trace_routing=False, trace_gradients=False):
         raise Accepted(session.cfg)
 
 

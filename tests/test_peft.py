@@ -64,11 +64,12 @@ def test_merged_weights_give_peft_logits(adapted, tmp_path):
 
 
 def test_a_run_from_a_peft_adapter_exports_it_back(tmp_path, capsys):
-    """model.lora.from_peft starts the adapters from peft's; one step (at the warmup's learning rate 0) keeps them, and
-    export-hf --adapter and --merge write them back."""
+    """model.lora.from_peft starts the adapters from peft's; one step at a learning rate of 1e-30 (the first step
+    learns, so 0 would need a warmup; an update of 1e-30 is below every adapter weight's rounding) keeps them,
+    and export-hf --adapter and --merge write them back."""
     run = tmp_path / "run"
     assert main(["train", "configs/default.yaml", f"model.from_hf={BASE}", f"model.lora.from_peft={ADAPTER}",
-                 "model.lora.rank=4", "model.lora.alpha=8", "train.steps=1",
+                 "model.lora.rank=4", "model.lora.alpha=8", "train.steps=1", "train.lr=1e-30",
                  "train.batch_size=8", "train.sample_tokens=0", "train.eval_batches=1", "mesh.data=4",
                  "mesh.tensor=2", f"run.dir={run}", "--no-progress"]) == 0
     assert main(["export-hf", str(run), "--out", str(tmp_path / "adapter"), "--adapter", "--no-progress"]) == 0

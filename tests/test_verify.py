@@ -77,4 +77,5 @@ def test_verify_makes_at_least_four_updates_the_first_one_learning():
     from jaxpar.train.optim import lr_schedule
 
     assert DEFAULT_STEPS >= 5  # four updates each followed by a compared loss, and one the weights show
-    assert float(lr_schedule(TrainConfig(lr=1e-3, warmup=20, steps=5))(0)) == pytest.approx(1e-3 / 20)
+    assert float(lr_schedule(TrainConfig(lr=1e-3, warmup=20, steps=40))(0)) == pytest.approx(1e-3 / 20)
+    assert float(lr_schedule(TrainConfig(lr=1e-3, warmup=20, steps=5))(0)) == pytest.approx(1e-3 / 5)  # warmup <= steps
