@@ -17,7 +17,8 @@ as the precision policy's GEMM runs them (`gemm`: in fp8 for train.precision=fp8
 in the step, in evaluation and in generation alike): under sequence parallelism, outside any manual
 shard_map, each a shard_map over tensor and the batch axes with its collective by hand
 (jaxpar.parallel.sequence_matmul); inside a pipeline or expert shard_map the residual stream's constraints
-leave them to XLA.
+leave them to XLA. Inside the step's shard_map, where an automatic axis splits the tokens as `tensor` splits
+the vocabulary, the embedding lookup is written per tensor rank (jaxpar.parallel.vocab: XLA's own aborts).
 """
 
 from __future__ import annotations
