@@ -8,8 +8,8 @@ is the one reader of that metadata, `path_names` the one spelling of a pytree pa
 While a step is traced, a parallel layout acts inside the model through hooks
 (`ModelHooks`): `constrain` annotates an activation's sharding by logical names,
 `expert_all_to_all` moves each expert's tokens to the device holding the expert (dropless routing:
-`expert_gather`, or the ragged all-to-all of `expert_exchange`), and
-`column_parallel` / `row_parallel` run the matmuls into and out of a tensor-parallel region
+`expert_gather`, or the ragged all-to-all of `expert_exchange`), `vocab_lookup` reads the embedding's
+rows, and `column_parallel` / `row_parallel` run the matmuls into and out of a tensor-parallel region
 (under sequence parallelism they all-gather the sequence before, and reduce-scatter it after), and
 they and the experts' matmuls (`gemm`) run as the precision policy's GEMM (fp8: jaxpar.model.fp8).
 They do nothing beyond the plain einsum unless a layout installs its hooks with `layout_hooks`: the
@@ -53,6 +53,8 @@ class ModelHooks(Protocol):
     def row_parallel(self, equation: str, h: jax.Array, w: jax.Array, names: tuple) -> jax.Array: ...
 
     def fp32_einsum(self, equation: str, a: jax.Array, b: jax.Array) -> jax.Array: ...
+
+    def vocab_lookup(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array: ...
 
     def context_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array | None,
                           blocks: tuple[int, int], options: ScoreOptions | None = None,
@@ -220,6 +222,13 @@ def row_parallel(equation: str, h: jax.Array, weight: nnx.Variable, h_names: tup
     if hooks is None:
         return jax.numpy.einsum(equation, h, w)
     return hooks.row_parallel(equation, h, w, (h_names, weight_names(weight, w.ndim), out_names))
+
+
+def vocab_lookup(table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
+    """The rows of a vocabulary-split table (the embedding) for integer tokens: (B, L, D); a layout's
+    hooks may look them up per tensor rank (jaxpar.parallel.vocab)."""
+    hooks = _hooks.get()
+    return jax.numpy.take(table_VD, tokens_BL, axis=0) if hooks is None else hooks.vocab_lookup(table_VD, tokens_BL)
 
 
 def fp32_einsum(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.model.axes import constrain, param
+from jaxpar.model.cross_entropy import token_cross_entropy
 from jaxpar.model.layers import RMSNorm
 
 RESIDUAL = ("batch", "residual_seq", "embed")
@@ -58,7 +58,7 @@ def mtp_loss(model, h_BLD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
         h_BLD = module(h_BLD, model.embed(ahead_BL))
         targets_BL = jnp.pad(tokens_BT[:, k + 1:], ((0, 0), (0, k)))  # token i + k + 1 at position i
         logits_BLV = model.project(module.out_norm(h_BLD))
-        losses_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), targets_BL)
+        losses_BL = token_cross_entropy(logits_BLV, targets_BL)
         counted_L = (jnp.arange(L) < L - k).astype(jnp.float32)  # the last k positions have no target
         total = total + jnp.mean(losses_BL * counted_L) * (L / (L - k))
     return total / max(len(modules), 1)

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.model.adapters import freeze
 from jaxpar.model.attention import Attention, KVCache
-from jaxpar.model.axes import column_parallel, constrain, param
+from jaxpar.model.axes import column_parallel, constrain, param, vocab_lookup
 from jaxpar.model.layers import RMSNorm
 from jaxpar.model.mla import LatentAttention, LatentCache
 from jaxpar.model.mlp import MLP
@@ -148,7 +148,7 @@ class Transformer(nnx.Module):
         # The lookup as tensor parallelism does it (each rank its vocabulary rows, then a sum), and
         # only then split along the sequence: asked for split output directly, the partitioner
         # gathers the whole vocabulary-split table instead.
-        x_BLD = constrain(jnp.take(self.embedding[...], tokens_BL, axis=0), ("batch", "seq", "embed"))
+        x_BLD = constrain(vocab_lookup(self.embedding[...], tokens_BL), ("batch", "seq", "embed"))
         if self.embed_scale is not None:  # Gemma: sqrt(d_model) rounded to the compute dtype, as transformers does
             x_BLD = x_BLD * jnp.asarray(self.embed_scale, x_BLD.dtype)
         x_BLD = constrain(x_BLD, ("batch", "residual_seq", "embed"))

@@ -17,7 +17,8 @@ as the precision policy's GEMM runs them (`gemm`: in fp8 for train.precision=fp8
 in the step, in evaluation and in generation alike): under sequence parallelism, outside any manual
 shard_map, each a shard_map over tensor and the batch axes with its collective by hand
 (jaxpar.parallel.sequence_matmul); inside a pipeline or expert shard_map the residual stream's constraints
-leave them to XLA.
+leave them to XLA. Inside the step's shard_map, where an automatic axis splits the tokens as `tensor` splits
+the vocabulary, the embedding lookup is written per tensor rank (jaxpar.parallel.vocab: XLA's own aborts).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.model.axes import PLAIN, Gemm, is_variable, path_names
 from jaxpar.model.matmul import wide_einsum
-from jaxpar.parallel import context, ragged
+from jaxpar.parallel import context, ragged, vocab
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.reductions import moved_as_bits, rows_gathered, rows_summed, scattered
-from jaxpar.parallel.rules import logical_to_spec
+from jaxpar.parallel.rules import axis_names, logical_to_spec
 from jaxpar.parallel.sequence_matmul import sequence_matmul
 from jaxpar.parallel.zero import without_axes
 
@@ -79,6 +80,27 @@ class _Hooks:
     def differentiated(self, params):
         """What the step differentiates: the parameters as stored."""
         return params
+
+    def vocab_lookup(self, table_VD, tokens_BL):
+        """The embedding's rows for the tokens: per tensor rank (jaxpar.parallel.vocab) inside the step's
+        shard_map where an automatic axis splits the tokens as another splits the vocabulary, else a gather."""
+        parts = self._vocab_parts_by_hand()
+        if parts == 1:
+            return jnp.take(table_VD, tokens_BL, axis=0)
+        return vocab.by_rank(table_VD, tokens_BL, parts, self.constrain)
+
+    def _vocab_parts_by_hand(self) -> int:
+        """The vocabulary's parts when its lookup is written by hand, else 1."""
+        if not self._in_shard_map:
+            return 1
+        sizes, manual, rules = self.layout.sizes, self.layout.manual, self.layout.rules
+
+        def automatic(names):  # the automatic mesh axes of size > 1 that split these logical axes
+            return [a for entry in logical_to_spec(names, rules) for a in axis_names(entry)
+                    if a not in manual and sizes[a] > 1]
+
+        vocab_axes = automatic(("vocab",))
+        return math.prod(sizes[a] for a in vocab_axes) if vocab_axes and automatic(("batch", "seq")) else 1
 
     def expert_exchange(self) -> ragged.Exchange | None:  # the ragged dispatch, where `expert` is manual
         return ragged.over_experts(self.layout) if self.in_step and "expert" in self.layout.manual else None

@@ -24,10 +24,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jaxpar.model.axes import is_stacked
+from jaxpar.model.cross_entropy import token_cross_entropy
 
 
 def _head_weight(path, variable) -> bool:
@@ -43,7 +43,7 @@ def chunked_token_losses(model: nnx.Module, x_BLD: jax.Array, targets_BL: jax.Ar
 
     def losses_of(head, rest, x_BlD, targets_Bl):
         logits_BlV = nnx.merge(graphdef, head, rest).logits(x_BlD)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BlV.astype(jnp.float32), targets_Bl)
+        return token_cross_entropy(logits_BlV, targets_Bl)
 
     x_CBlD = jnp.moveaxis(x_BLD.reshape(B, L // chunks, chunks, D), 2, 0)
     targets_CBl = jnp.moveaxis(targets_BL.reshape(B, L // chunks, chunks), 2, 0)

@@ -23,6 +23,7 @@ from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.model.adapters import read_as, trainable, with_frozen, zero_grad
 from jaxpar.model.axes import layout_hooks
+from jaxpar.model.cross_entropy import token_cross_entropy
 from jaxpar.model.moe_step import ExpertTerms
 from jaxpar.model.mtp import mtp_loss, mtp_weight
 from jaxpar.model.protocol import is_block_model
@@ -87,7 +88,7 @@ def _reduction(cfg: Config) -> Callable:
 
 def _target_losses(logits_BLV: jax.Array, batch: PackedRows) -> jax.Array:
     """Each target's next-token cross-entropy (B, L), in fp32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(jnp.float32), batch.targets_BL)
+    return token_cross_entropy(logits_BLV, batch.targets_BL)
 
 
 def _loss_stats(logits_BLV: jax.Array, batch: PackedRows, reduce: Callable = _mean_loss) -> tuple[jax.Array, dict]:
