@@ -46,9 +46,16 @@ FP32_TOLERANCES, HALF_TOLERANCES = (1e-5, 1e-4), (5e-3, 1e-2)  # verify's (loss,
 #   gradient is the difference of the chosen and the rejected responses' (the same rounding, three times the
 #   share of a smaller difference). 0.3 and 0.4 still fail a tensor that does not move (1.0), one whose
 #   gradient is halved (0.5), or one that moves half as far (0.5).
+# A tensor whose gradient (update) is a smaller share of the whole step's than the floor is judged against the
+# floor instead of its own size (jaxpar.train.verify_checks): fp32 rounds every sum to about 1e-7 of it; bf16,
+# fp16 and fp8 (and fp32 gradients reduced in bf16) to 2^-8 and more, so a LoRA A whose B is one step from zero,
+# its gradient 1e-4 of the step's, differed by 0.1 of itself in bf16 (4e-3 of bf16's step of the whole).
+FP32_FLOOR, REDUCED_FLOOR = 1e-6, 1e-3
 FP32_GRAD, FP32_UPDATE = 1e-4, 3e-4
 HALF_GRAD, HALF_UPDATE = 5e-2, 0.1
 FP8_GRAD, FP8_UPDATE = 0.3, 0.4
+HALF = {"tolerances": HALF_TOLERANCES, "grad_tolerance": HALF_GRAD, "update_tolerance": HALF_UPDATE,
+        "error_floor": REDUCED_FLOOR}  # verify's judgement of a run whose gradients are rounded as bf16's
 # verify's widest routing flip that is a tie: the relative gap between two router scores that the
 # policy's rounding can close (jaxpar.train.routing_check). fp32: a few ulps (2^-23 each) of a score whose
 # inputs two layouts sum in different orders (measured: up to 6e-7). Gradients reduced in bf16 move the
@@ -99,6 +106,7 @@ class PrecisionPolicy:
     tolerances: tuple[float, float] = FP32_TOLERANCES
     grad_tolerance: float = FP32_GRAD
     update_tolerance: float = FP32_UPDATE
+    error_floor: float = FP32_FLOOR
     tie_tolerance: float = FP32_TIE_TOLERANCE
     max_routing_tie_share: tuple[float, float] = FP32_MAX_TIE_SHARE
     gemm: str = "compute"  # jaxpar.model.fp8.GEMMS: `compute`, or `fp8`
@@ -158,16 +166,14 @@ def _cast(tree, dtype: str):
 
 POLICIES = {
     "fp32": PrecisionPolicy("fp32", FP32),
-    "bf16": PrecisionPolicy("bf16", BF16, output_grad=BF16, tolerances=HALF_TOLERANCES, grad_tolerance=HALF_GRAD,
-                            update_tolerance=HALF_UPDATE, tie_tolerance=HALF_TIE_TOLERANCE,
+    "bf16": PrecisionPolicy("bf16", BF16, output_grad=BF16, **HALF, tie_tolerance=HALF_TIE_TOLERANCE,
                             max_routing_tie_share=HALF_MAX_TIE_SHARE),
     "fp16": PrecisionPolicy("fp16", FP16, output_grad=FP16, loss_scaling=True, initial_loss_scale=INITIAL_FP16_SCALE,
-                            tolerances=HALF_TOLERANCES, grad_tolerance=HALF_GRAD, update_tolerance=HALF_UPDATE,
-                            tie_tolerance=HALF_TIE_TOLERANCE, max_routing_tie_share=HALF_MAX_TIE_SHARE),
+                            **HALF, tie_tolerance=HALF_TIE_TOLERANCE, max_routing_tie_share=HALF_MAX_TIE_SHARE),
     # bf16 with the blocks' GEMMs in fp8; verify's reference quantizes the same GEMMs on one device
     "fp8": PrecisionPolicy("fp8", BF16, output_grad=BF16, gemm="fp8", reference="fp8", tolerances=FP8_TOLERANCES,
-                           grad_tolerance=FP8_GRAD, update_tolerance=FP8_UPDATE, tie_tolerance=FP8_TIE_TOLERANCE,
-                           max_routing_tie_share=FP8_MAX_TIE_SHARE),
+                           grad_tolerance=FP8_GRAD, update_tolerance=FP8_UPDATE, error_floor=REDUCED_FLOOR,
+                           tie_tolerance=FP8_TIE_TOLERANCE, max_routing_tie_share=FP8_MAX_TIE_SHARE),
 }
 
 
@@ -183,10 +189,8 @@ def policy(precision: str, grad_reduce: str = "fp32", loss_scale_window: int = 2
     reduce = DTYPE_OF[grad_reduce]
     if reduce == FP32 or base.reduced:
         return dataclasses.replace(base, grad_reduce=reduce, loss_scale_window=loss_scale_window)
-    return dataclasses.replace(base, grad_reduce=reduce, tolerances=HALF_TOLERANCES, grad_tolerance=HALF_GRAD,
-                               update_tolerance=HALF_UPDATE, tie_tolerance=REDUCED_GRAD_TIE_TOLERANCE,
-                               max_routing_tie_share=REDUCED_GRAD_MAX_TIE_SHARE,
-                               loss_scale_window=loss_scale_window)
+    return dataclasses.replace(base, grad_reduce=reduce, **HALF, tie_tolerance=REDUCED_GRAD_TIE_TOLERANCE,
+                               max_routing_tie_share=REDUCED_GRAD_MAX_TIE_SHARE, loss_scale_window=loss_scale_window)
 
 
 def of(cfg) -> PrecisionPolicy:

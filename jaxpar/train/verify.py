@@ -101,8 +101,7 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
     """verify's comparison from the layout's state `state` (the reference starts from a copy of it): both
     sides train on the same batches, the reference replaying the layout's routing of an MoE model
     (jaxpar.train.routing_check), and they are judged tensor by tensor (jaxpar.train.verify_checks): the
-    loss and the gradient norm at every step, each tensor's gradient at the first step, each tensor's update
-    after the last."""
+    loss, the gradient norm and each tensor's gradient at every step, each tensor's update after the last."""
     cfg, policy = session.cfg, session.precision
     # The layout's arrays may span processes: copy them whole onto every device before reading them.
     gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
@@ -113,7 +112,7 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
     max_ties = policy.max_routing_tie_share[moe.router == "expert_choice"]
     routing = RoutingCheck(moe.every, policy.tie_tolerance, moe.first_dense, max_ties) if layout.trace_routing else None
     loss_errors, norms, batches = [], ([], []), _batches(session, layout, reference, gather)
-    first_gradients = None
+    grad_errors = {}  # (tensor, step) -> the gradient's relative error
     # GRPO's loss is a mean of terms of order 1 (the advantages have unit spread in each group) that cancel
     # to about 0 where the ratio is 1: its error is measured against that order, not against the near-0 sum
     loss_floor = 1.0 if cfg.train.objective == "grpo" else 1e-30
@@ -132,8 +131,9 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
         gradients = metrics.pop("gradients")
         ref_state, ref_metrics = _reference_step(reference, ref_state, waiting.pop(0), routing, metrics, index - lag)
         ref_gradients = ref_metrics.pop("gradients")
-        if first_gradients is None:
-            first_gradients = _flat(gather(layout.to_model_order(gradients))), _flat(ref_gradients)
+        step_errors = gradient_errors(_flat(gather(layout.to_model_order(gradients))), _flat(ref_gradients),
+                                      policy.error_floor)
+        grad_errors.update({f"{key} (step {index + 1 - lag})": error for key, error in step_errors.items()})
         if ties is not None:
             ties.add(ref_state.opt_state)
         loss, ref_loss = float(metrics["loss"]), float(ref_metrics["loss"])
@@ -144,7 +144,7 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
             f"  grad norm {norms[0][-1]:.6g}  reference {norms[1][-1]:.6g}")
 
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
-    verdict = _judge(policy, loss_errors, norms, first_gradients, _flat(params), _flat(ref_params), initial, ties)
+    verdict = _judge(policy, loss_errors, norms, grad_errors, _flat(params), _flat(ref_params), initial, ties)
     result = {"layout": session.layout_name(), "steps": cfg.train.steps, **verdict.report()}
     if ties is not None:
         result["update_ties"] = ties.count()
@@ -158,7 +158,7 @@ def _flat(tree) -> dict[str, np.ndarray]:
             if value is not None and np.asarray(value).dtype.kind == "f"}
 
 
-def _judge(policy, loss_errors: list[float], norms, gradients, params: dict, ref_params: dict, initial: dict,
+def _judge(policy, loss_errors: list[float], norms, grad_errors: dict, params: dict, ref_params: dict, initial: dict,
            ties: UpdateTies | None) -> Verdict:
     """The checks of jaxpar.train.verify_checks at the policy's tolerances; a near-tie objective's Adam ties
     (jaxpar.train.update_ties) are left out of the update check and judged by their count and direction."""
@@ -167,13 +167,15 @@ def _judge(policy, loss_errors: list[float], norms, gradients, params: dict, ref
     verdict.add("loss_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(loss_errors)}, loss_tol)
     verdict.add("grad_norm_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(norm_errors(*norms))},
                 policy.grad_tolerance)
-    verdict.add("grad_max_rel_err", gradient_errors(*gradients), policy.grad_tolerance)
+    verdict.add("grad_max_rel_err", grad_errors, policy.grad_tolerance)
     if ties is not None:
         params, ref_params, initial = ties.without_ties(params, ref_params, initial)
         for check, (values, bound) in ties.judged().items():
             verdict.add(check, values, bound)
-    verdict.add("update_max_rel_err", update_errors(params, ref_params, initial), policy.update_tolerance)
-    from_start = {key: error for key, error in update_errors(params, ref_params, {k: 0.0 for k in initial}).items()
+    floor = policy.error_floor
+    verdict.add("update_max_rel_err", update_errors(params, ref_params, initial, floor), policy.update_tolerance)
+    from_start = {key: error for key, error in update_errors(params, ref_params, {k: 0.0 for k in initial},
+                                                             floor).items()
                   if np.any(initial[key])}  # relative to the weights: the tensors that start nonzero
     # Relative to the tensor, a reduced precision's error is its update error diluted by the weights, and the
     # trajectories part further with every step (fp8 after 5 steps: up to 2.3e-2 where the updates agree to

@@ -1,8 +1,9 @@
 """verify's judgement, tensor by tensor: what a layout can get wrong, each at the precision policy's tolerance.
 
-- the gradients of the first step, taken by both sides at the same weights on the same batch: each tensor's
-  gradient against the reference's, relative to the reference's (a scale, a sign, a missing or doubled
-  reduction, a tensor whose gradient never arrives: all fail, in every precision, whatever the optimizer);
+- the gradients of every step (at the first, both sides take them at the same weights on the same batch; later
+  the weights differ by the rounding the other checks bound): each tensor's gradient against the reference's,
+  relative to the reference's (a scale, a sign, a missing or doubled reduction, a tensor whose gradient never
+  arrives, gradients on the wrong version of the weights: all fail, in every precision, whatever the optimizer);
 - the gradient norm at every step, before clipping (AdamW cannot see a constant scale and clipping hides it
   from the weights; the norm shows it at once);
 - each tensor's update, its change from the start after the run: Δ_layout against Δ_reference, relative to
@@ -11,6 +12,9 @@
 - the weights themselves, relative to each tensor (param_max_rel_err, as before, over the tensors that start
   nonzero), which the update check contains and which stays for comparison with earlier runs.
 
+A tensor whose reference gradient (update) is a smaller share of the whole step's than the policy's error_floor
+is judged against that share instead of its own size: below it, its difference is the rounding of the other
+tensors' sums (an untouched embedding row, a LoRA A while its B is still near zero), not a wrong gradient.
 Every check reports its worst tensor; `failures` lists the worst offences of every check, largest first.
 """
 
@@ -19,36 +23,32 @@ from __future__ import annotations
 import numpy as np
 
 WORST_REPORTED = 5  # the failing tensors the result lists
-# A tensor whose reference gradient (update) is this small a share of the whole step's is judged against that
-# floor instead of its own size: below it, a difference is rounding of the other tensors' sums (an untouched
-# embedding row, a LoRA A before its B moves) and not a wrong gradient.
-FLOOR = 1e-6
 
 
 def _norm(x: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(x, np.float64)))
 
 
-def _errors(layout: dict, reference: dict) -> dict[str, float]:
-    """{tensor: ‖layout - reference‖ / ‖reference‖}, each denominator at least FLOOR times the whole tree's
-    norm (a tensor both sides leave at exactly zero: 0)."""
+def _errors(layout: dict, reference: dict, floor: float) -> dict[str, float]:
+    """{tensor: ‖layout - reference‖ / ‖reference‖}, each denominator at least `floor` times the whole tree's
+    norm (the precision policy's error_floor; a tensor both sides leave at exactly zero: 0)."""
     whole = float(np.sqrt(sum(_norm(value) ** 2 for value in reference.values())))
     errors = {}
     for key, ref in reference.items():
-        diff, size = _norm(np.asarray(layout[key], np.float64) - ref), max(_norm(ref), FLOOR * whole)
+        diff, size = _norm(np.asarray(layout[key], np.float64) - ref), max(_norm(ref), floor * whole)
         errors[key] = diff / size if size > 0 else (0.0 if diff == 0 else np.inf)
     return errors
 
 
-def gradient_errors(grads: dict, ref_grads: dict) -> dict[str, float]:
-    """Each tensor's first-step gradient error (the trainable tensors: a frozen one has no gradient)."""
-    return _errors(grads, {key: np.asarray(value) for key, value in ref_grads.items() if np.size(value)})
+def gradient_errors(grads: dict, ref_grads: dict, floor: float) -> dict[str, float]:
+    """Each tensor's gradient error (the trainable tensors: a frozen one has no gradient)."""
+    return _errors(grads, {key: np.asarray(value) for key, value in ref_grads.items() if np.size(value)}, floor)
 
 
-def update_errors(params: dict, ref_params: dict, initial: dict) -> dict[str, float]:
+def update_errors(params: dict, ref_params: dict, initial: dict, floor: float) -> dict[str, float]:
     """Each tensor's update error: (params - initial) against (ref_params - initial)."""
     return _errors({key: np.asarray(params[key], np.float64) - initial[key] for key in ref_params},
-                   {key: np.asarray(ref, np.float64) - initial[key] for key, ref in ref_params.items()})
+                   {key: np.asarray(ref, np.float64) - initial[key] for key, ref in ref_params.items()}, floor)
 
 
 def norm_errors(norms: list[float], ref_norms: list[float]) -> list[float]:
