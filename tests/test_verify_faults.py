@@ -1,0 +1,50 @@
+"""verify's power, measured by the bugs it catches: every fault of tests/fault_catalog.py, injected on the
+layout side only, must fail verify in every precision where the faulty code runs. A fault verify lets through
+is a blind spot of verify (or a layout that never runs the code: the catalog picks one that does).
+
+The quick tier runs the catalog's quick faults in fp32; every other (fault, precision) is slow.
+benchmarks/verify_faults.py prints the same cases as a table, with the check that caught each."""
+
+import pytest
+from fault_catalog import AREAS, FAULTS, caught, first_check, run
+
+MIN_FAULTS = 30
+MAX_QUICK = 3  # the quick tier's budget of verifies
+
+
+def _cases():
+    for fault in FAULTS:
+        for precision in fault.precisions:
+            quick = fault.quick and precision == "fp32"
+            yield pytest.param(fault, precision, id=f"{fault.name}-{precision}",
+                               marks=() if quick else pytest.mark.slow)
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize(("fault", "precision"), CASES)
+def test_verify_catches_the_fault(fault, precision, tmp_path):
+    result = run(fault, precision, tmp_path)
+    assert caught(result), (f"{fault.name} ({fault.what}) passed verify in {precision} on {' '.join(fault.layout)}: "
+                            f"{ {k: v for k, v in result.items() if k.endswith('_err')} }")
+    assert first_check(result) != "-", result  # a failed verify names the check that failed
+
+
+def test_the_catalog_covers_every_area_with_30_faults():
+    """At least 30 faults, unique names, every area the issue names with at least one fault, each fault judged
+    in at least one precision, and the quick tier within its budget."""
+    assert len(FAULTS) >= MIN_FAULTS, len(FAULTS)
+    assert len({fault.name for fault in FAULTS}) == len(FAULTS)
+    by_area = {area: [fault.name for fault in FAULTS if fault.area == area] for area in AREAS}
+    assert all(by_area.values()), [area for area, names in by_area.items() if not names]
+    assert all(fault.precisions for fault in FAULTS)
+    quick = [case for case in CASES if not case.marks]
+    assert 1 <= len(quick) <= MAX_QUICK, [case.id for case in quick]
+
+
+def test_the_second_set_has_at_least_5_faults_outside_the_named_areas():
+    """The faults of the catalog's second set lie in layout-specific code the issue does not name."""
+    others = [fault for fault in FAULTS if fault.area not in AREAS and fault.area not in ("gradients",
+                                                                                          "optimizer update")]
+    assert len(others) >= 5, [fault.name for fault in others]
