@@ -10,14 +10,27 @@ from fault_catalog import AREAS, FAULTS, caught, first_check, run
 
 MIN_FAULTS = 30
 MAX_QUICK = 3  # the quick tier's budget of verifies
+# verify's known blind spots: (fault, precision) -> what was measured. Each is an expected failure that must keep
+# failing (strict): the day verify catches it, the mark goes. fp8 layouts are judged against an fp8 reference
+# whose own rounding noise (a bf16 ulp turns an e4m3 rounding) is about half of these faults' effect.
+_FP8_HOOKS = ("verify cannot tell an fp8 GEMM from a bf16 one, nor a power-of-two scale from an exact one: "
+              "gradients 0.13-0.17 and updates 0.23-0.31 against fp8's 0.3 and 0.4 (clean: 0.06-0.07, 0.16-0.17)")
+BLIND_SPOTS = {
+    ("2bw weight version", "fp8"): "stale and current weights are one update apart: gradients 0.146 and updates "
+                                   "0.164 against fp8's 0.3 and 0.4 (clean: 0.068, 0.157); bf16 is caught (0.26)",
+    **{(f"fp8 {kind} ({axis})", "fp8"): _FP8_HOOKS for kind in ("unrounded scale", "GEMM lost")
+       for axis in ("data x tensor", "sequence", "stage", "context")},
+}
 
 
 def _cases():
     for fault in FAULTS:
         for precision in fault.precisions:
             quick = fault.quick and precision == "fp32"
-            yield pytest.param(fault, precision, id=f"{fault.name}-{precision}",
-                               marks=() if quick else pytest.mark.slow)
+            marks = [] if quick else [pytest.mark.slow]
+            if (fault.name, precision) in BLIND_SPOTS:
+                marks.append(pytest.mark.xfail(strict=True, reason=BLIND_SPOTS[fault.name, precision]))
+            yield pytest.param(fault, precision, id=f"{fault.name}-{precision}", marks=marks)
 
 
 CASES = list(_cases())
@@ -40,6 +53,7 @@ def test_the_catalog_covers_every_area_with_30_faults():
     assert all(by_area.values()), [area for area, names in by_area.items() if not names]
     assert all(fault.precisions for fault in FAULTS)
     quick = [case for case in CASES if not case.marks]
+    assert set(BLIND_SPOTS) <= {(case.values[0].name, case.values[1]) for case in CASES}
     assert 1 <= len(quick) <= MAX_QUICK, [case.id for case in quick]
 
 

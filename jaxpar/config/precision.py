@@ -34,10 +34,13 @@ FP32_TOLERANCES, HALF_TOLERANCES = (1e-5, 1e-4), (5e-3, 1e-2)  # verify's (loss,
 # level 0, an Intel Xeon with avx512_bf16, 2026-12-07) over 22 layouts: data, tensor, ZeRO 1-3, accumulation,
 # remat, Adafactor, Muon, LoRA, bf16 reductions, top-k, Switch, Expert Choice and dropless experts under expert
 # parallelism, GPipe, 1F1B, ZB-H1, interleaved, 2BW, context ring and all-gather, sequence, packed rows:
-# - fp32: gradients up to 5.0e-7 of their tensor, the norm 5.5e-7 (7e-5 after 300 steps, where the two
-#   trajectories have parted by rounding), updates 3.1e-5 (elements with tiny gradients, which Adam moves a
-#   whole step, carry most of it). 1e-4 and 3e-4: a frozen tensor errs by 1, a scale s by |s - 1|, one token
-#   misrouted in 512 by some 2e-3.
+# - fp32: gradients up to 5.0e-7 of their tensor at the first step and 7.0e-6 at the fifth, the norm 5.5e-7
+#   (7e-5 after 300 steps, where the two trajectories have parted by rounding), updates 3.1e-5 (elements with
+#   tiny gradients, which Adam moves a whole step, carry most of it). A gradient that is a sum of cancelling
+#   terms is rounded further from itself: the keys' LoRA A at step 2, while every element of B is +-lr, 1.8e-4
+#   (tests/test_verify_sweep.py, draw 3), and its update by 2.2e-3 (Adam divides each element's error by its
+#   small gradient). 1e-3 and 5e-3: a frozen tensor errs by 1, a scale s by |s - 1|, and Adam's near-ties of
+#   the small model moved the wrong way (tests/fault_catalog.py) by 3.7e-3 and 1.7e-2.
 # - bf16 and fp16 against fp32: gradients up to 1.1e-2, the norm 3.1e-3, updates 2.6e-2 (fp32 with bf16
 #   reductions: 2.1e-3, 2.6e-4, 4.2e-3); 5e-2 and 0.1.
 # - fp8 against its fp8 reference: gradients up to 5.3e-2, the norm 4.7e-3, updates 0.14 (Adam's first steps
@@ -51,7 +54,7 @@ FP32_TOLERANCES, HALF_TOLERANCES = (1e-5, 1e-4), (5e-3, 1e-2)  # verify's (loss,
 # fp16 and fp8 (and fp32 gradients reduced in bf16) to 2^-8 and more, so a LoRA A whose B is one step from zero,
 # its gradient 1e-4 of the step's, differed by 0.1 of itself in bf16 (4e-3 of bf16's step of the whole).
 FP32_FLOOR, REDUCED_FLOOR = 1e-6, 1e-3
-FP32_GRAD, FP32_UPDATE = 1e-4, 3e-4
+FP32_GRAD, FP32_UPDATE = 1e-3, 5e-3
 HALF_GRAD, HALF_UPDATE = 5e-2, 0.1
 FP8_GRAD, FP8_UPDATE = 0.3, 0.4
 HALF = {"tolerances": HALF_TOLERANCES, "grad_tolerance": HALF_GRAD, "update_tolerance": HALF_UPDATE,
@@ -75,6 +78,11 @@ FP32_TIE_TOLERANCE, REDUCED_GRAD_TIE_TOLERANCE, HALF_TIE_TOLERANCE = 2.0 ** -19,
 # against its fp8 reference it stays at 1.2e-2. Since the first step learns, 5 steps reach 2.3e-2 on the weights
 # where the updates agree to 0.14: fp8's weights are reported, and its updates judged (above).
 FP8_TOLERANCES = (5e-4, 1.5e-2)
+# fp8 whose gradients are also reduced in bf16 rounds them twice; on the sweep's draws with LoRA and GRPO or
+# ORPO (tests/test_verify_sweep.py, draws 0 and 1) the loss differed by up to 1.3e-3 (GRPO's, against its
+# order 1), the gradients by 0.39 (a LoRA A at step 3) and the updates by 0.54: verify is weakest there, and
+# judges it at 2.5e-3, 0.6 and 0.8, which catch a tensor that does not move but not one that moves half as far.
+FP8_BF16_REDUCED = {"tolerances": (2.5e-3, FP8_TOLERANCES[1]), "grad_tolerance": 0.6, "update_tolerance": 0.8}
 # router scores move with activations that went through fp8 GEMMs: two of e4m3's steps (2^-3 each; measured:
 # up to 0.172, Switch through 1F1B; 0.07 on the first step, before any weight differs)
 FP8_TIE_TOLERANCE = 2.0 ** -2
@@ -187,8 +195,10 @@ def policy(precision: str, grad_reduce: str = "fp32", loss_scale_window: int = 2
     if loss_scaling == "dynamic" and not base.loss_scaling:
         base = dataclasses.replace(base, loss_scaling=True, initial_loss_scale=INITIAL_FP16_SCALE)
     reduce = DTYPE_OF[grad_reduce]
-    if reduce == FP32 or base.reduced:
+    if reduce == FP32 or (base.reduced and base.gemm == "compute"):
         return dataclasses.replace(base, grad_reduce=reduce, loss_scale_window=loss_scale_window)
+    if base.reduced:  # fp8
+        return dataclasses.replace(base, grad_reduce=reduce, **FP8_BF16_REDUCED, loss_scale_window=loss_scale_window)
     return dataclasses.replace(base, grad_reduce=reduce, **HALF, tie_tolerance=REDUCED_GRAD_TIE_TOLERANCE,
                                max_routing_tie_share=REDUCED_GRAD_MAX_TIE_SHARE, loss_scale_window=loss_scale_window)
 
