@@ -31,6 +31,12 @@ DEFAULT_STEPS = 5
 # element of B is +-lr, so A's gradient is a signed sum of equal terms (measured: A of the keys' adapter at
 # step 2 differed by 1.8e-4 of itself in fp32, its update by 2.2e-3). Other runs have none: every element counts.
 NEAR_TIE_OBJECTIVES = ("grpo",)
+# LoRA's A matrices in reduced precisions: while B is Adam's sign pattern, A's gradient is a signed sum of equal
+# terms, rounded as bf16 rounds each of them. Measured on the sweep's draws (tests/test_verify_sweep.py): bf16
+# gradients up to 0.18 and updates 0.28 (draw 16), fp32 with bf16 reductions 0.13 and 0.15 (draw 13), fp8 updates
+# 0.68 (draw 9), where every other tensor stays within the policy's tolerance. They are judged at 5 times it: in
+# bf16 a gradient that is lost or scaled by 2 still fails, in fp8 only one that is lost.
+CANCELLING_FACTOR = 5
 
 
 def has_near_ties(cfg) -> bool:
@@ -174,13 +180,14 @@ def _judge(policy, loss_errors: list[float], norms, grad_errors: dict, params: d
     verdict.add("loss_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(loss_errors)}, loss_tol)
     verdict.add("grad_norm_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(norm_errors(*norms))},
                 policy.grad_tolerance)
-    verdict.add("grad_max_rel_err", grad_errors, policy.grad_tolerance)
+    _add_split("grad_max_rel_err", verdict, grad_errors, policy.grad_tolerance, policy)
     if ties is not None:
         params, ref_params, initial = ties.without_ties(params, ref_params, initial)
         for check, (values, bound) in ties.judged().items():
             verdict.add(check, values, bound)
     floor = policy.error_floor
-    verdict.add("update_max_rel_err", update_errors(params, ref_params, initial, floor), policy.update_tolerance)
+    _add_split("update_max_rel_err", verdict, update_errors(params, ref_params, initial, floor),
+               policy.update_tolerance, policy)
     from_start = {key: error for key, error in update_errors(params, ref_params, {k: 0.0 for k in initial},
                                                              floor).items()
                   if np.any(initial[key])}  # relative to the weights: the tensors that start nonzero
@@ -189,3 +196,18 @@ def _judge(policy, loss_errors: list[float], norms, grad_errors: dict, params: d
     # 0.14): the update check judges it, and the weights' error is reported. fp32 judges both.
     verdict.add("param_max_rel_err", from_start, np.inf if policy.reduced else param_tol)
     return verdict
+
+
+def _is_adapter_a(key: str) -> bool:
+    """Whether a tensor (or a 'tensor (step N)') is a LoRA adapter's A matrix (its path: .../lora_*/a/value)."""
+    parts = key.split(" ")[0].split("/")
+    return len(parts) >= 3 and parts[-3].startswith("lora") and parts[-2] == "a"
+
+
+def _add_split(check: str, verdict: Verdict, errors: dict, tolerance: float, policy) -> None:
+    """Add `check` over `errors`; where the gradients are rounded below fp32, LoRA's A matrices apart, at
+    CANCELLING_FACTOR times the tolerance (as lora_a_<check>)."""
+    apart = {key: error for key, error in errors.items() if policy.gradients_rounded and _is_adapter_a(key)}
+    verdict.add(check, {key: error for key, error in errors.items() if key not in apart}, tolerance)
+    if apart:
+        verdict.add(f"lora_a_{check}", apart, CANCELLING_FACTOR * tolerance)
