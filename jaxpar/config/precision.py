@@ -63,7 +63,8 @@ HALF = {"tolerances": HALF_TOLERANCES, "grad_tolerance": HALF_GRAD, "update_tole
 # policy's rounding can close (jaxpar.train.routing_check). fp32: a few ulps (2^-23 each) of a score whose
 # inputs two layouts sum in different orders (measured: up to 6e-7). Gradients reduced in bf16 move the
 # weights by about 1e-3, and the scores with them (measured: up to 6e-5 on top-k; with LoRA, whose adapters move
-# the scores too, 1.8e-3 on the sweep's draw 14 and 7.8e-3 on draw 13, a hair under 2^-7: 2^-6). bf16 or fp16 activations round every layer's input,
+# the scores too, 1.8e-3 on the sweep's draw 14 and 7.8e-3 on draw 13, a hair under 2^-7: 2^-6). bf16 or fp16
+# activations round every layer's input,
 # and the router's logits move by about 1e-2: sixteen of bf16's steps (measured: up to 2.1e-2, Expert Choice
 # through 1F1B).
 FP32_TIE_TOLERANCE, REDUCED_GRAD_TIE_TOLERANCE, HALF_TIE_TOLERANCE = 2.0 ** -19, 2.0 ** -6, 2.0 ** -4
