@@ -62,3 +62,22 @@ def test_the_second_set_has_at_least_5_faults_outside_the_named_areas():
     others = [fault for fault in FAULTS if fault.area not in AREAS and fault.area not in ("gradients",
                                                                                           "optimizer update")]
     assert len(others) >= 5, [fault.name for fault in others]
+
+
+@pytest.mark.slow
+def test_frozen_qkv_fails_on_the_sweeps_fp8_draw(tmp_path):
+    """The issue's case: on the switch-space sweep's fp8 draw (data=2 x tensor=2 x expert=2 with experts, ORPO,
+    flash, bf16 reductions), a layout whose Q/K/V projections never learn once passed at fp8's tolerance."""
+    from fault_catalog import BY_NAME, injected
+    from test_verify_sweep import data_folders, draw, settle
+
+    from jaxpar.config.presets import load_config
+    from jaxpar.session import prepare
+    from jaxpar.train.verify import verify
+
+    overrides = settle(draw(0), data_folders(tmp_path))
+    assert "train.precision=fp8" in overrides
+    session = prepare(load_config(None, [f"run.dir={tmp_path / 'run'}", *overrides]))
+    with injected(BY_NAME["frozen q/k/v"]):
+        result = verify(session, log=lambda line: None)
+    assert not result["ok"] and result["failures"][0]["error"] >= 0.99, result
