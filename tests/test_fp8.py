@@ -191,10 +191,13 @@ def test_fp8_layout_matches_its_fp8_reference(layout, session_for):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reference", ["fp8", "bf16"])
+@pytest.mark.parametrize("reference", ["fp8", pytest.param("bf16", marks=pytest.mark.xfail(strict=True, reason=(
+    "verify's blind spot (tests/test_verify_faults.py, 'fp8 GEMM lost'): the weights differ by 3.3e-2 against "
+    "bf16 GEMMs, but clean fp8 layouts reach 2.3e-2 in 5 steps (3.5e-2 with bf16 reductions), so fp8's weights "
+    "are reported, not judged, and its gradients and updates stay within 0.3 and 0.4")))])
 def test_fp8_verify_tells_its_reference_from_bf16_gemms(reference, session_for, monkeypatch):
     """Ten steps: against the one-device fp8 reference the layout stays within fp8's tolerances; against a
-    reference whose GEMMs run in bf16 it does not (measured: 1.2e-2 and 3.3e-2 on the weights)."""
+    reference whose GEMMs run in bf16 it should not, and does not yet (the xfail's measurement)."""
     original = verify_module.reference_config
     monkeypatch.setattr(verify_module, "reference_config", lambda cfg: original(cfg).replace(
         **{"train.precision": reference}))
