@@ -111,7 +111,8 @@ def _reference_step(reference: Trainer, ref_state, ref_batch, routing: RoutingCh
 
 
 def compare(session: Session, layout: Trainer, reference: Trainer, state, log=print) -> dict:
-    """verify's comparison from the layout's state `state` (the reference starts from a copy of it): both
+    """verify's comparison from the layout's state `state` (the reference starts from a copy of it), both
+    trainers built with trace_gradients (and trace_routing for jaxpar's mixture of experts): both
     sides train on the same batches, the reference replaying the layout's routing of an MoE model
     (jaxpar.train.routing_check), and they are judged tensor by tensor (jaxpar.train.verify_checks): the
     loss, the gradient norm and each tensor's gradient at every step, each tensor's update after the last."""
