@@ -8,6 +8,8 @@ its own router would have made otherwise (jaxpar.train.routing_check).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 
@@ -53,6 +55,19 @@ def reference_config(cfg):
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@contextlib.contextmanager
+def _compiled_afresh():
+    """XLA's persistent compilation cache off while verify compiles the steps that return their gradients:
+    XLA:CPU (jax 0.12.0.1) aborts the process reading the gradients of such a step when its program came from
+    that cache (data=8, ZeRO-2, full remat, verified twice in one process; compiled afresh, it runs)."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
 
 
 def verify(session: Session, log=print, model=None, rules=None) -> dict:
@@ -111,6 +126,12 @@ def _reference_step(reference: Trainer, ref_state, ref_batch, routing: RoutingCh
 
 
 def compare(session: Session, layout: Trainer, reference: Trainer, state, log=print) -> dict:
+    """verify's comparison (_compare), its steps compiled afresh (_compiled_afresh)."""
+    with _compiled_afresh():
+        return _compare(session, layout, reference, state, log)
+
+
+def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=print) -> dict:
     """verify's comparison from the layout's state `state` (the reference starts from a copy of it), both
     trainers built with trace_gradients (and trace_routing for jaxpar's mixture of experts): both
     sides train on the same batches, the reference replaying the layout's routing of an MoE model
@@ -142,11 +163,10 @@ def compare(session: Session, layout: Trainer, reference: Trainer, state, log=pr
             state, metrics = layout.drain(state)
         if index < lag:
             continue
-        gradients = metrics.pop("gradients")
+        # replicated on every device by the step already: read as they are (each process holds them whole)
+        gradients = _flat(layout.to_model_order(metrics.pop("gradients")))
         ref_state, ref_metrics = _reference_step(reference, ref_state, waiting.pop(0), routing, metrics, index - lag)
-        ref_gradients = ref_metrics.pop("gradients")
-        step_errors = gradient_errors(_flat(gather(layout.to_model_order(gradients))), _flat(ref_gradients),
-                                      policy.error_floor)
+        step_errors = gradient_errors(gradients, _flat(ref_metrics.pop("gradients")), policy.error_floor)
         grad_errors.update({f"{key} (step {index + 1 - lag})": error for key, error in step_errors.items()})
         if ties is not None:
             ties.add(ref_state.opt_state)
