@@ -78,15 +78,15 @@ FP32_TIE_TOLERANCE, REDUCED_GRAD_TIE_TOLERANCE, HALF_TIE_TOLERANCE = 2.0 ** -19,
 # expert=2). The same layout against bf16 GEMMs on one device: 1.5e-2 after 3 steps, 3.3e-2 after 10, where
 # against its fp8 reference it stays at 1.2e-2. Since the first step learns, 5 steps reach 2.3e-2 on the weights
 # where the updates agree to 0.14: fp8's weights are reported, and its updates judged (above).
-# The loss: up to 1.2e-3 on the sweep's draw 12 (experts through GPipe on data=2 x expert=2 x stage=2), 9.4e-4
-# already at the first step, where the weights are the same: 2.5e-3.
-FP8_TOLERANCES = (2.5e-3, 1.5e-2)
+# The loss stays at 5e-4: at 2.5e-3 the catalog's "DPO pairs weighed per shard" passed in fp8. The sweep's draw 12
+# (experts through GPipe on data=2 x expert=2 x stage=2) measured 1.2e-3, 9.4e-4 already at the first step, where
+# the weights are the same: a clean layout that fails verify in fp8, an open conflict (not in the suite's draws).
+FP8_TOLERANCES = (5e-4, 1.5e-2)
 # fp8 whose gradients are also reduced in bf16 rounds them twice; on the sweep's draws with LoRA and GRPO or
 # ORPO (tests/test_verify_sweep.py, draws 0 and 1) the loss differed by up to 1.3e-3 (GRPO's, against its
 # order 1), the gradients by 0.39 (a LoRA A at step 3) and the updates by 0.54: verify is weakest there, and
-# judges it at 0.6 and 0.8 (the loss at fp8's 2.5e-3), which catch a tensor that does not move but not one that
-# moves half as far.
-FP8_BF16_REDUCED = {"grad_tolerance": 0.6, "update_tolerance": 0.8}
+# judges it at 2.5e-3, 0.6 and 0.8, which catch a tensor that does not move but not one that moves half as far.
+FP8_BF16_REDUCED = {"tolerances": (2.5e-3, FP8_TOLERANCES[1]), "grad_tolerance": 0.6, "update_tolerance": 0.8}
 # router scores move with activations that went through fp8 GEMMs: two of e4m3's steps (2^-3 each; measured:
 # up to 0.172, Switch through 1F1B; 0.07 on the first step, before any weight differs)
 FP8_TIE_TOLERANCE = 2.0 ** -2
