@@ -94,8 +94,9 @@ FP8_TIE_TOLERANCE = 2.0 ** -2
 # that pick experts for a token, Expert Choice, whose experts rank a whole group's tokens and so meet far more
 # near-ties). More is a bug whose margins are small (a balancing bias's sign, a capacity order), not rounding.
 # Measured on the 5-step runs above (10240 decisions each): fp32 none but Expert Choice's 0.74%; bf16 up to 1.7%
-# (top-k, dropless), Expert Choice 5.0%; fp8 up to 8.0% (dropless), Expert Choice 15.3%. Caps: twice those.
-FP32_MAX_TIE_SHARE, REDUCED_GRAD_MAX_TIE_SHARE = (0.01, 0.025), (0.02, 0.05)
+# (top-k, dropless), Expert Choice 5.0%; fp8 up to 8.0% (dropless), Expert Choice 15.3%. Caps: twice those; fp32's
+# Expert Choice twice the 2.7% of 8 experts on data=2 x expert=4 (tests/test_moe.py).
+FP32_MAX_TIE_SHARE, REDUCED_GRAD_MAX_TIE_SHARE = (0.01, 0.06), (0.02, 0.06)
 HALF_MAX_TIE_SHARE, FP8_MAX_TIE_SHARE = (0.05, 0.12), (0.16, 0.3)
 INITIAL_FP16_SCALE = 2.0 ** 15
 DTYPE_OF = {"fp32": FP32, "bf16": BF16, "fp16": FP16}  # the config's spellings
