@@ -53,10 +53,6 @@ def reference_config(cfg):
     return cfg.replace(**reference_overrides(cfg))
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 @contextlib.contextmanager
 def _compiled_afresh():
     """XLA's persistent compilation cache off while verify compiles the steps that return their gradients:
