@@ -13,14 +13,12 @@ MIN_FAULTS = 30
 MAX_QUICK = 3  # the quick tier's budget of verifies
 # verify's known blind spots: (fault, precision) -> what was measured. Each is an expected failure that must keep
 # failing (strict): the day verify catches it, the mark goes. fp8 layouts are judged against an fp8 reference
-# whose own rounding noise (a bf16 ulp turns an e4m3 rounding) is about half of these faults' effect.
-_FP8_HOOKS = ("verify cannot tell an fp8 GEMM from a bf16 one, nor a power-of-two scale from an exact one: "
-              "gradients 0.13-0.17 and updates 0.23-0.31 against fp8's 0.3 and 0.4 (clean: 0.06-0.07, 0.16-0.17)")
+# whose own rounding noise (a bf16 ulp turns an e4m3 rounding) is about half of fp8's own effect; verify gauges
+# that effect (jaxpar.config.precision.FP8_ROUNDING_SHARE), which catches the fp8 hooks' faults at the first step.
 BLIND_SPOTS = {
-    ("2bw weight version", "fp8"): "stale and current weights are one update apart: gradients 0.146 and updates "
-                                   "0.164 against fp8's 0.3 and 0.4 (clean: 0.068, 0.157); bf16 is caught (0.26)",
-    **{(f"fp8 {kind} ({axis})", "fp8"): _FP8_HOOKS for kind in ("unrounded scale", "GEMM lost")
-       for axis in ("data x tensor", "sequence", "stage", "context")},
+    ("2bw weight version", "fp8"): "stale and current weights are one update apart: over verify's 5 steps the "
+                                   "gradients differ by a rounding share of 1.18 against 1.25 (clean: up to 0.98); "
+                                   "caught at 3 steps (1.53) and at 10 (the loss); bf16 is caught (gradients 0.26)",
 }
 
 

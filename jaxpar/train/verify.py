@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.config.precision import of as policy_of
 from jaxpar.features import reference_overrides
 from jaxpar.rl.rollout import Scoring
 from jaxpar.session import Session, on_devices
@@ -21,7 +23,7 @@ from jaxpar.train.feeds import RolloutFeed
 from jaxpar.train.routing_check import RoutingCheck
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.update_ties import UpdateTies
-from jaxpar.train.verify_checks import Verdict, gradient_errors, norm_errors, update_errors
+from jaxpar.train.verify_checks import Verdict, gradient_errors, norm_errors, rounding_share, update_errors
 from jaxpar.train.verify_local import verify_local
 
 # Five steps: four updates each followed by a compared loss, and a fifth whose update the weights show. The
@@ -53,11 +55,20 @@ def reference_config(cfg):
     return cfg.replace(**reference_overrides(cfg))
 
 
+def gauge_config(cfg):
+    """The reference's config in its policy's rounding_gauge precision (fp8's: bf16), whose gradients at the
+    reference's weights measure the policy's own rounding (jaxpar.config.precision.FP8_ROUNDING_SHARE)."""
+    return reference_config(cfg).replace(**{"train.precision": policy_of(cfg).rounding_gauge})
+
+
 @contextlib.contextmanager
 def _compiled_afresh():
-    """XLA's persistent compilation cache off while verify compiles the steps that return their gradients:
-    XLA:CPU (jax 0.12.0.1) aborts the process reading the gradients of such a step when its program came from
-    that cache (data=8, ZeRO-2, full remat, verified twice in one process; compiled afresh, it runs)."""
+    """XLA's persistent compilation cache off while verify compiles its programs (the layout's init and the steps
+    that return their gradients). XLA:CPU (jax 0.12.0.1) aborts the process reading the gradients of such a step
+    when its program came from that cache (data=8, ZeRO-2, full remat, verified twice in one process), and
+    deadlocks the step's collectives when the init that made its state came from the cache and the step did not
+    (the same layout verified again in a fresh process, against a reference at another learning rate: two devices
+    waited at an all-reduce, six at an all-gather). Compiled afresh, both run."""
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
@@ -83,7 +94,13 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     # In a multi-process run every process keeps its own reference on one of its own devices.
     reference = Trainer(on_devices(reference_config(cfg), jax.local_devices()[:1]), model, rules,
                         trace_routing=traced, trace_gradients=True)
-    return compare(session, layout, reference, layout.init(), log)
+    gauge = None
+    if session.precision.rounding_gauge is not None:  # fp8: the reference with its GEMMs in bf16
+        gauge = Trainer(on_devices(gauge_config(cfg), jax.local_devices()[:1]), model, rules, trace_routing=traced,
+                        trace_gradients=True)
+    with _compiled_afresh():
+        state = layout.init()
+    return compare(session, layout, reference, state, log, gauge)
 
 
 def _batches(session: Session, layout: Trainer, reference: Trainer, gather):
@@ -110,29 +127,37 @@ def _batches(session: Session, layout: Trainer, reference: Trainer, gather):
     return rollouts
 
 
-def _reference_step(reference: Trainer, ref_state, ref_batch, routing: RoutingCheck | None, metrics, index: int):
+def _reference_step(reference: Trainer, ref_state, ref_batch, routing: RoutingCheck | None, metrics, index: int,
+                    gauge: Trainer | None):
     """The reference's step on `ref_batch`, replaying the routing decisions in the layout's `metrics` (those of
-    step `index`) when `routing` judges them."""
-    if routing is None:
-        return reference.step(ref_state, ref_batch)
-    codes = routing.codes(jax.device_get(metrics))
-    ref_state, ref_metrics = reference.step(ref_state, ref_batch, reference.put_batch(routing.replay_input(codes)))
-    routing.add(index, codes, jax.device_get(ref_metrics))
-    return ref_state, ref_metrics
+    step `index`) when `routing` judges them; and the gauge's gradients at the same weights (None: no gauge)."""
+    codes = None if routing is None else routing.codes(jax.device_get(metrics))
+    replay = () if codes is None else (reference.put_batch(routing.replay_input(codes)),)
+    gauged = None
+    if gauge is not None:  # on copies: a step donates its state
+        _, gauge_metrics = gauge.step(*jax.tree.map(jnp.copy, (ref_state, ref_batch, *replay)))
+        gauged = _flat(gauge_metrics["gradients"])
+    ref_state, ref_metrics = reference.step(ref_state, ref_batch, *replay)
+    if codes is not None:
+        routing.add(index, codes, jax.device_get(ref_metrics))
+    return ref_state, ref_metrics, gauged
 
 
-def compare(session: Session, layout: Trainer, reference: Trainer, state, log=print) -> dict:
+def compare(session: Session, layout: Trainer, reference: Trainer, state, log=print,
+            gauge: Trainer | None = None) -> dict:
     """verify's comparison (_compare), its steps compiled afresh (_compiled_afresh)."""
     with _compiled_afresh():
-        return _compare(session, layout, reference, state, log)
+        return _compare(session, layout, reference, state, log, gauge)
 
 
-def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=print) -> dict:
+def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=print, gauge: Trainer | None = None
+             ) -> dict:
     """verify's comparison from the layout's state `state` (the reference starts from a copy of it), both
     trainers built with trace_gradients (and trace_routing for jaxpar's mixture of experts): both
     sides train on the same batches, the reference replaying the layout's routing of an MoE model
     (jaxpar.train.routing_check), and they are judged tensor by tensor (jaxpar.train.verify_checks): the
-    loss, the gradient norm and each tensor's gradient at every step, each tensor's update after the last."""
+    loss, the gradient norm and each tensor's gradient at every step, each tensor's update after the last; with a
+    `gauge` (the reference in the policy's rounding_gauge precision), the layout's share of the policy's rounding."""
     cfg, policy = session.cfg, session.precision
     # The layout's arrays may span processes: copy them whole onto every device before reading them.
     gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
@@ -144,6 +169,7 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
     routing = RoutingCheck(moe.every, policy.tie_tolerance, moe.first_dense, max_ties) if layout.trace_routing else None
     loss_errors, norms, batches = [], ([], []), _batches(session, layout, reference, gather)
     grad_errors = {}  # (tensor, step) -> the gradient's relative error
+    shares = []  # each step's rounding_share (with a gauge)
     # GRPO's loss is a mean of terms of order 1 (the advantages have unit spread in each group) that cancel
     # to about 0 where the ratio is 1: its error is measured against that order, not against the near-0 sum
     loss_floor = 1.0 if cfg.train.objective == "grpo" else 1e-30
@@ -161,8 +187,12 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
             continue
         # replicated on every device by the step already: read as they are (each process holds them whole)
         gradients = _flat(layout.to_model_order(metrics.pop("gradients")))
-        ref_state, ref_metrics = _reference_step(reference, ref_state, waiting.pop(0), routing, metrics, index - lag)
-        step_errors = gradient_errors(gradients, _flat(ref_metrics.pop("gradients")), policy.error_floor)
+        ref_state, ref_metrics, gauged = _reference_step(reference, ref_state, waiting.pop(0), routing, metrics,
+                                                         index - lag, gauge)
+        ref_gradients = _flat(ref_metrics.pop("gradients"))
+        step_errors = gradient_errors(gradients, ref_gradients, policy.error_floor)
+        if gauged is not None:
+            shares.append(rounding_share(gradients, ref_gradients, gauged))
         grad_errors.update({f"{key} (step {index + 1 - lag})": error for key, error in step_errors.items()})
         if ties is not None:
             ties.add(ref_state.opt_state)
@@ -174,7 +204,7 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
             f"  grad norm {norms[0][-1]:.6g}  reference {norms[1][-1]:.6g}")
 
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
-    verdict = _judge(policy, loss_errors, norms, grad_errors, _flat(params), _flat(ref_params), initial, ties)
+    verdict = _judge(policy, loss_errors, norms, grad_errors, _flat(params), _flat(ref_params), initial, ties, shares)
     result = {"layout": session.layout_name(), "steps": cfg.train.steps, **verdict.report()}
     if ties is not None:
         result["update_ties"] = ties.count()
@@ -189,15 +219,20 @@ def _flat(tree) -> dict[str, np.ndarray]:
 
 
 def _judge(policy, loss_errors: list[float], norms, grad_errors: dict, params: dict, ref_params: dict, initial: dict,
-           ties: UpdateTies | None) -> Verdict:
+           ties: UpdateTies | None, shares: list[float]) -> Verdict:
     """The checks of jaxpar.train.verify_checks at the policy's tolerances; a near-tie objective's Adam ties
-    (jaxpar.train.update_ties) are left out of the update check and judged by their count and direction."""
+    (jaxpar.train.update_ties) are left out of the update check and judged by their count and direction; the
+    rounding shares (a gauged policy's), the first step's apart (the weights still the same: no drift in it)."""
     loss_tol, param_tol = policy.tolerances
     verdict = Verdict()
     verdict.add("loss_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(loss_errors)}, loss_tol)
     verdict.add("grad_norm_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(norm_errors(*norms))},
                 policy.grad_tolerance)
     _add_split("grad_max_rel_err", verdict, grad_errors, policy.grad_tolerance, policy)
+    if shares:
+        first, after = policy.rounding_share
+        verdict.add("first_rounding_share", {"step 1": shares[0]}, first)
+        verdict.add("rounding_share", {f"step {i + 2}": share for i, share in enumerate(shares[1:])}, after)
     if ties is not None:
         params, ref_params, initial = ties.without_ties(params, ref_params, initial)
         for check, (values, bound) in ties.judged().items():

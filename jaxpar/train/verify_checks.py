@@ -9,6 +9,10 @@
 - each tensor's update, its change from the start after the run: Δ_layout against Δ_reference, relative to
   ‖Δ_reference‖ and not to the tensor, so a tensor that does not move, or moves a fraction of what it should,
   fails however large its weights are;
+- where the policy gauges its own rounding (fp8: jaxpar.config.precision.FP8_ROUNDING_SHARE), the whole gradient's
+  distance from the reference as a share of that rounding at every step (rounding_share): fp8 against an fp8
+  reference differs by rounding flips of about half of fp8's own effect, so a layout that lost its fp8 GEMMs, or
+  quantizes by other scales, is within every tensor's tolerance but twice as far as a clean layout here;
 - the weights themselves, relative to each tensor (param_max_rel_err, as before, over the tensors that start
   nonzero), which the update check contains and which stays for comparison with earlier runs.
 
@@ -49,6 +53,19 @@ def update_errors(params: dict, ref_params: dict, initial: dict, floor: float) -
     """Each tensor's update error: (params - initial) against (ref_params - initial)."""
     return _errors({key: np.asarray(params[key], np.float64) - initial[key] for key in ref_params},
                    {key: np.asarray(ref, np.float64) - initial[key] for key, ref in ref_params.items()}, floor)
+
+
+def rounding_share(grads: dict, ref_grads: dict, gauge_grads: dict) -> float:
+    """‖layout - reference‖ / ‖gauge - reference‖ over the whole gradient: how much of the policy's own rounding
+    (the gauge: the reference's gradient at the same weights in the gauge's precision) the layout differs by."""
+    keys = [key for key, value in ref_grads.items() if np.size(value)]
+
+    def distance(side: dict) -> float:
+        return float(np.sqrt(sum(_norm(np.asarray(side[key], np.float64) - np.asarray(ref_grads[key], np.float64)) ** 2
+                                 for key in keys)))
+
+    rounding = distance(gauge_grads)
+    return distance(grads) / rounding if rounding > 0 else (0.0 if distance(grads) == 0 else np.inf)
 
 
 def norm_errors(norms: list[float], ref_norms: list[float]) -> list[float]:
