@@ -7,12 +7,15 @@ Usage:
 --quick runs the catalog's quick faults in fp32 only (the quick tier of tests/test_verify_faults.py). Printed: a
 header line (commit, date, CPU and whether it has AVX-512 BF16: a near-tie can flip with the CPU's arithmetic),
 then a markdown table with a column per precision: the check that failed worst ("routing": a routing decision
-flipped), "not caught", or "-" where the fault's code does not run; then the total time.
+flipped), "not caught", "clean fails: CHECK" where the layout fails verify without the fault as well (each
+layout is verified clean first, once per precision: a catch there would prove nothing), or "-" where the fault's
+code does not run; then the total time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -55,14 +58,44 @@ def named_faults(listed: str, known) -> tuple[list[str], str]:
     return names, piece
 
 
-def verdict(fault, precision: str, run_dir: Path) -> str:
-    """The table's cell for one (fault, precision): the check that caught it, "not caught", or the error."""
-    from fault_catalog import caught, first_check, run
+def _outcome(fault, precision: str, run_dir: Path) -> dict | str:
+    """verify's result for (fault, precision), or the error's line where its layout fails to run."""
+    from fault_catalog import run
 
     try:
-        result = run(fault, precision, run_dir)
+        return run(fault, precision, run_dir)
     except Exception as error:  # noqa: BLE001 - a fault whose layout fails to run is reported, not fatal
         return f"error: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
+
+
+_clean_failures: dict = {}  # (layout, data, precision) -> None where the clean layout verifies, else its cell
+
+
+def clean_failure(fault, precision: str, run_dir: Path) -> str | None:
+    """None where the fault's layout verifies without the fault in `precision`, else what it gave: a fault
+    "caught" on a layout that fails clean is no evidence, and the table says so ("clean fails: ...")."""
+    from fault_catalog import first_check
+
+    key = (fault.layout, fault.data, precision)
+    if key not in _clean_failures:
+        clean = dataclasses.replace(fault, name=f"{fault.name} (clean)", breaks=lambda original: original)
+        result = _outcome(clean, precision, run_dir)
+        _clean_failures[key] = (result if isinstance(result, str) else
+                                None if result["ok"] else f"clean fails: {first_check(result)}")
+    return _clean_failures[key]
+
+
+def verdict(fault, precision: str, run_dir: Path) -> str:
+    """The table's cell for one (fault, precision): the check that caught it, "not caught", "clean fails: ..."
+    where the layout fails without the fault too, or the error."""
+    from fault_catalog import caught, first_check
+
+    failure = clean_failure(fault, precision, run_dir / "clean")
+    if failure is not None:
+        return failure
+    result = _outcome(fault, precision, run_dir)
+    if isinstance(result, str):
+        return result
     return first_check(result) if caught(result) else "not caught"
 
 
@@ -102,7 +135,9 @@ def main() -> int:
             rows.append([fault.name, fault.area, " ".join(fault.layout), fault.what, *cells])
     print(markdown(["fault", "area", "layout", "what", *columns], rows))
     missed = sum(row.count("not caught") for row in rows)
-    print(f"\n{len(faults)} faults, {missed} (fault, precision) cases not caught; "
+    void = sum(cell.startswith("clean fails") for row in rows for cell in row)
+    print(f"\n{len(faults)} faults, {missed} (fault, precision) cases not caught, {void} on a layout that fails "
+          f"clean; "
           f"{time.perf_counter() - start:.0f} s in all")
     return 0
 

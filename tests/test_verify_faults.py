@@ -19,6 +19,9 @@ BLIND_SPOTS = {
     ("2bw weight version", "fp8"): "stale and current weights are one update apart: over verify's 5 steps the "
                                    "gradients differ by a rounding share of 1.18 against 1.25 (clean: up to 0.98); "
                                    "caught at 3 steps (1.53) and at 10 (the loss); bf16 is caught (gradients 0.26)",
+    ("DPO pairs weighed per shard", "fp8"): "loss 8.9e-4 where the clean layout reaches 6.6e-4 and the sweep's draw "
+                                            "12 1.2e-3 (jaxpar.config.precision.FP8_MARGIN_LOSS); rounding shares "
+                                            "0.52 and 0.64 (clean 0.53, 0.62)",
 }
 
 
@@ -88,3 +91,17 @@ def test_frozen_qkv_fails_on_the_sweeps_fp8_draw(tmp_path):
     with injected(BY_NAME["frozen q/k/v"]):
         result = verify(session, log=lambda line: None)
     assert not result["ok"] and result["failures"][0]["error"] >= 0.99, result
+
+
+@pytest.mark.slow
+def test_the_dpo_layout_verifies_clean_in_fp8(tmp_path):
+    """The catalog's DPO layout without its fault verifies in fp8: its loss, a function of the pairs' margin, is
+    judged at FP8_MARGIN_LOSS (at fp8's 5e-4 the clean layout failed with 6.6e-4, and the fault's "catch" meant
+    nothing)."""
+    import dataclasses
+
+    from fault_catalog import BY_NAME
+
+    fault = BY_NAME["DPO pairs weighed per shard"]
+    result = run(dataclasses.replace(fault, breaks=lambda original: original), "fp8", tmp_path)
+    assert result["ok"], result

@@ -78,9 +78,7 @@ FP32_TIE_TOLERANCE, REDUCED_GRAD_TIE_TOLERANCE, HALF_TIE_TOLERANCE = 2.0 ** -19,
 # expert=2). The same layout against bf16 GEMMs on one device: 1.5e-2 after 3 steps, 3.3e-2 after 10, where
 # against its fp8 reference it stays at 1.2e-2. Since the first step learns, 5 steps reach 2.3e-2 on the weights
 # where the updates agree to 0.14: fp8's weights are reported, and its updates judged (above).
-# The loss stays at 5e-4: at 2.5e-3 the catalog's "DPO pairs weighed per shard" passed in fp8. The sweep's draw 12
-# (experts through GPipe on data=2 x expert=2 x stage=2) measured 1.2e-3, 9.4e-4 already at the first step, where
-# the weights are the same: a clean layout that fails verify in fp8, an open conflict (not in the suite's draws).
+# The loss stays at 5e-4 but for DPO and SimPO (MARGIN_OBJECTIVES, below), whose loss is a function of a margin.
 FP8_TOLERANCES = (5e-4, 1.5e-2)
 # fp8 against its fp8 reference differs by about half of what fp8 itself does to the gradients (the rounding flips
 # above), so a layout whose GEMMs lost fp8, or quantize by other scales, differs from the reference by no more than a
@@ -95,6 +93,14 @@ FP8_TOLERANCES = (5e-4, 1.5e-2)
 # then 1.32-1.68. Judged at 0.85 for the first step and 1.25 after. 2BW's microbatches on the new weights reach 1.53
 # at the third of 3 steps, but only 1.18 over verify's 5 (1.26 at the tenth, where the loss fails too): a blind spot.
 FP8_ROUNDING_SHARE = (0.85, 1.25)
+# DPO's and SimPO's loss is a function of the margin between a pair's summed (SimPO: averaged) log-probabilities,
+# which starts at about 0 (the loss at log 2): fp8's rounding of those sums moves the loss by β times their
+# rounding, not by a share of the loss. Measured clean in fp8: DPO on data=4 x tensor=2 ZeRO-3 (the catalog's
+# layout) 6.6e-4 over 3 and 5 steps; the sweep's draw 12 (DPO with LoRA and dropless experts through GPipe) 9.4e-4
+# at the first step, where the weights are the same, and 1.2e-3; SimPO on data=8 5.6e-4 (issue 63). 2.5e-3. The
+# catalog's "DPO pairs weighed per shard" measured 8.9e-4 (3 steps) and 1.05e-3 (5): within what clean runs reach,
+# a blind spot in fp8 (at 5e-4, where it used to fail, the clean layout failed as well).
+MARGIN_OBJECTIVES, FP8_MARGIN_LOSS = ("dpo", "simpo"), 2.5e-3
 # fp8 whose gradients are also reduced in bf16 rounds them twice; on the sweep's draws with LoRA and GRPO or
 # ORPO (tests/test_verify_sweep.py, draws 0 and 1) the loss differed by up to 1.3e-3 (GRPO's, against its
 # order 1), the gradients by 0.39 (a LoRA A at step 3) and the updates by 0.54: verify is weakest there, and
@@ -142,6 +148,13 @@ class PrecisionPolicy:
     # first step and after (FP8_ROUNDING_SHARE); None: not gauged
     rounding_gauge: str | None = None
     rounding_share: tuple[float, float] = (float("inf"), float("inf"))
+    margin_loss_tolerance: float | None = None  # MARGIN_OBJECTIVES' loss tolerance where it differs from the others'
+
+    def loss_tolerance(self, objective: str) -> float:
+        """verify's loss tolerance for a run of train.objective=`objective`."""
+        if objective in MARGIN_OBJECTIVES and self.margin_loss_tolerance is not None:
+            return self.margin_loss_tolerance
+        return self.tolerances[0]
 
     @property
     def scales_gradients_per_tensor(self) -> bool:
@@ -210,7 +223,8 @@ POLICIES = {
     "fp8": PrecisionPolicy("fp8", BF16, output_grad=BF16, gemm="fp8", reference="fp8", tolerances=FP8_TOLERANCES,
                            grad_tolerance=FP8_GRAD, update_tolerance=FP8_UPDATE, error_floor=REDUCED_FLOOR,
                            tie_tolerance=FP8_TIE_TOLERANCE, max_routing_tie_share=FP8_MAX_TIE_SHARE,
-                           rounding_gauge="bf16", rounding_share=FP8_ROUNDING_SHARE),
+                           rounding_gauge="bf16", rounding_share=FP8_ROUNDING_SHARE,
+                           margin_loss_tolerance=FP8_MARGIN_LOSS),
 }
 
 

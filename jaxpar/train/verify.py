@@ -204,7 +204,8 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
             f"  grad norm {norms[0][-1]:.6g}  reference {norms[1][-1]:.6g}")
 
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
-    verdict = _judge(policy, loss_errors, norms, grad_errors, _flat(params), _flat(ref_params), initial, ties, shares)
+    verdict = _judge(policy, policy.loss_tolerance(cfg.train.objective), loss_errors, norms, grad_errors, _flat(params),
+                     _flat(ref_params), initial, ties, shares)
     result = {"layout": session.layout_name(), "steps": cfg.train.steps, **verdict.report()}
     if ties is not None:
         result["update_ties"] = ties.count()
@@ -218,12 +219,12 @@ def _flat(tree) -> dict[str, np.ndarray]:
             if value is not None and np.asarray(value).dtype.kind == "f"}
 
 
-def _judge(policy, loss_errors: list[float], norms, grad_errors: dict, params: dict, ref_params: dict, initial: dict,
-           ties: UpdateTies | None, shares: list[float]) -> Verdict:
+def _judge(policy, loss_tol: float, loss_errors: list[float], norms, grad_errors: dict, params: dict,
+           ref_params: dict, initial: dict, ties: UpdateTies | None, shares: list[float]) -> Verdict:
     """The checks of jaxpar.train.verify_checks at the policy's tolerances; a near-tie objective's Adam ties
     (jaxpar.train.update_ties) are left out of the update check and judged by their count and direction; the
     rounding shares (a gauged policy's), the first step's apart (the weights still the same: no drift in it)."""
-    loss_tol, param_tol = policy.tolerances
+    param_tol = policy.tolerances[1]
     verdict = Verdict()
     verdict.add("loss_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(loss_errors)}, loss_tol)
     verdict.add("grad_norm_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(norm_errors(*norms))},
