@@ -106,9 +106,10 @@ MARGIN_OBJECTIVES, FP8_MARGIN_LOSS = ("dpo", "simpo"), 2.5e-3
 # order 1), the gradients by 0.39 (a LoRA A at step 3) and the updates by 0.54: verify is weakest there, and
 # judges it at 2.5e-3, 0.6 and 0.8, which catch a tensor that does not move but not one that moves half as far.
 FP8_BF16_REDUCED = {"tolerances": (2.5e-3, FP8_TOLERANCES[1]), "grad_tolerance": 0.6, "update_tolerance": 0.8}
-# router scores move with activations that went through fp8 GEMMs: two of e4m3's steps (2^-3 each; measured:
-# up to 0.172, Switch through 1F1B; 0.07 on the first step, before any weight differs)
-FP8_TIE_TOLERANCE = 2.0 ** -2
+# router scores move with activations that went through fp8 GEMMs: several of e4m3's steps (2^-3 each; measured:
+# up to 0.172, Switch through 1F1B; 0.07 on the first step, before any weight differs; 0.279 with dropless experts
+# and the all-gather dispatch on data=2 x tensor=2 x expert=2, at the third step, the catalog's clean layout)
+FP8_TIE_TOLERANCE = 2.0 ** -1.5
 # the largest share of a run's routing decisions (a token in an MoE layer at a step) that may be ties: (routers
 # that pick experts for a token, Expert Choice, whose experts rank a whole group's tokens and so meet far more
 # near-ties). More is a bug whose margins are small (a balancing bias's sign, a capacity order), not rounding.
