@@ -189,10 +189,8 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
         gradients = _flat(layout.to_model_order(metrics.pop("gradients")))
         ref_state, ref_metrics, gauged = _reference_step(reference, ref_state, waiting.pop(0), routing, metrics,
                                                          index - lag, gauge)
-        ref_gradients = _flat(ref_metrics.pop("gradients"))
-        step_errors = gradient_errors(gradients, ref_gradients, policy.error_floor)
-        if gauged is not None:
-            shares.append(rounding_share(gradients, ref_gradients, gauged))
+        step_errors, share = _judged_gradients(gradients, _flat(ref_metrics.pop("gradients")), gauged, policy)
+        shares += [] if share is None else [share]
         grad_errors.update({f"{key} (step {index + 1 - lag})": error for key, error in step_errors.items()})
         if ties is not None:
             ties.add(ref_state.opt_state)
@@ -211,6 +209,13 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
         result["update_ties"] = ties.count()
     ok = verdict.ok and (routing is None or routing.ok)
     return {"ok": bool(ok), **result, **(routing.report() if routing else {})}
+
+
+def _judged_gradients(gradients: dict, ref_gradients: dict, gauged: dict | None, policy):
+    """One step's gradient error of each tensor, and the layout's share of the policy's rounding where a gauge ran
+    (else None)."""
+    share = None if gauged is None else rounding_share(gradients, ref_gradients, gauged)
+    return gradient_errors(gradients, ref_gradients, policy.error_floor), share
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
