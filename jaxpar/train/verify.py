@@ -98,9 +98,8 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     if session.precision.rounding_gauge is not None:  # fp8: the reference with its GEMMs in bf16
         gauge = Trainer(on_devices(gauge_config(cfg), jax.local_devices()[:1]), model, rules, trace_routing=traced,
                         trace_gradients=True)
-    with _compiled_afresh():
-        state = layout.init()
-    return compare(session, layout, reference, state, log, gauge)
+    with _compiled_afresh():  # the init too: a cached init beside a fresh step deadlocked (_compiled_afresh)
+        return _compare(session, layout, reference, layout.init(), log, gauge)
 
 
 def _batches(session: Session, layout: Trainer, reference: Trainer, gather):

@@ -64,8 +64,8 @@ def rounding_share(grads: dict, ref_grads: dict, gauge_grads: dict) -> float:
         return float(np.sqrt(sum(_norm(np.asarray(side[key], np.float64) - np.asarray(ref_grads[key], np.float64)) ** 2
                                  for key in keys)))
 
-    rounding = distance(gauge_grads)
-    return distance(grads) / rounding if rounding > 0 else (0.0 if distance(grads) == 0 else np.inf)
+    layout, rounding = distance(grads), distance(gauge_grads)
+    return layout / rounding if rounding > 0 else (0.0 if layout == 0 else np.inf)
 
 
 def norm_errors(norms: list[float], ref_norms: list[float]) -> list[float]:
