@@ -1,15 +1,18 @@
 """Random layouts over the whole switch space, as tests/test_verify_sweep.py draws them: how many verify, how
 many are refused (and each refusal's sentence), and any that fail.
 
-    python benchmarks/verify_sweep.py --draws 100 > sweep.md
+    python benchmarks/verify_sweep.py --draws 100 --results sweep.jsonl > sweep.md
 
-Prints a markdown summary (commit, date, CPU) with a row per draw, flushed as each finishes.
+Prints a markdown summary (commit, date, CPU) with a row per draw, flushed as each finishes; --results also
+writes each draw's whole verify result (every check's worst error, against which tolerances are measured) as a
+JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import tempfile
@@ -23,6 +26,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=100, help="draws 0..N-1 (default %(default)s)")
     parser.add_argument("--first", type=int, default=0, help="the first draw's index (default %(default)s)")
+    parser.add_argument("--results", type=Path, help="a JSON-lines file for each draw's whole result")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                                " --xla_backend_optimization_level=0").strip()  # the tests' level
@@ -54,6 +58,10 @@ def main() -> int:
             print(f"| {index} | refused | {precision} | 0 | {sentence} |", flush=True)
             continue
         result = verify(prepare(load_config(None, [f"run.dir={root / 'run'}", *overrides])), log=lambda line: None)
+        if args.results:
+            with args.results.open("a") as out:
+                out.write(json.dumps({"draw": index, "precision": precision, "overrides": overrides, **result},
+                                     default=float) + "\n")
         verdict = "verified" if result["ok"] else "FAILED"
         counts["verified" if result["ok"] else "failed"] += 1
         detail = result["layout"] + ("" if result["ok"] else f"; {result.get('failures', [])[:2]}")

@@ -39,7 +39,7 @@ MOE_TABLE = {  # every second layer's MLP is a mixture of experts: the blocks ar
        for unit in (0, 1) if unit == 0 or "mlp/" not in k},
     "blocks/blocks/1/mlp/w_gate_up": (("layers", "expert", "2"), ("embed",), ("mlp",)),
     "blocks/blocks/1/mlp/w_down": (("layers", "expert"), ("mlp",), ("embed",)),
-    "blocks/blocks/1/mlp/w_router": (("layers",), ("embed",), ("4",)),
+    "blocks/blocks/1/mlp/w_router": ADAMW,  # a classifier over the experts (jaxpar.train.muon)
     "embedding": ADAMW, "final_norm/scale": ADAMW,
 }
 MLA_TABLE = {

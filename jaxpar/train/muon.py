@@ -8,7 +8,13 @@ which it produces (the output axes, its columns). Every other axis is a batch ax
 over, each slice orthogonalised apart as if it were a weight of its own: the stacked layers
 ('layers', which pipeline stages split), the routed experts ('expert'), and the projections a
 fused weight holds side by side (Q, K and V in w_qkv; gate and up in w_gate_up). The embedding
-(a lookup table) and the head (a classifier over the vocabulary) stay with AdamW, as in Moonlight.
+(a lookup table) and the head (a classifier over the vocabulary) stay with AdamW, as in Moonlight, and so
+do a mixture of experts' router and noise scales (D x E, a classifier over the experts; Marin's MoE recipes keep
+them with AdamW too). With softmax scores every token's logit gradient sums to zero over the experts, so the
+router's gradient has rank E - 1 at most, and Newton-Schulz, which brings every singular value towards one, gives
+the missing direction, made of rounding, a whole step of its own: measured in bf16 (benchmarks/verify_sweep.py,
+draws 25, 55, 79, 84: 4 experts, 3 steps), the router's update differed from fp32's by 0.17-0.26 of itself, and
+on draw 84 by 0.019 once that direction (the same shift of every expert's logit) is taken out.
 
 The learning rate: optax's consistent_rms=0.2 (Moonlight, Liu et al. 2025) scales each
 orthogonalised update by 0.2 sqrt(max(fan_in, fan_out)), about AdamW's update RMS, so Muon follows
@@ -59,8 +65,6 @@ ROLES = {
     "w_up": Role(("embed", "mlp"), (0,), (1,)),
     "w_gate_up": Role(("embed", None, "mlp"), (0,), (2,)),  # gate and up, each D x F
     "w_down": Role(("mlp", "embed"), (0,), (1,)),
-    "w_router": Role(("embed", None), (0,), (1,)),  # D x E
-    "w_noise": Role(("embed", None), (0,), (1,)),  # noisy top-k's noise scales, D x E
     "w_q_down": Role(("embed", None), (0,), (1,)),  # MLA: D x the query latent
     "w_kv_down": Role(("embed", None), (0,), (1,)),  # MLA: D x (the key/value latent and the shared rotated key)
     "w_q_up": Role((None, "heads", "kv"), (0,), (1, 2)),  # MLA: the query latent x (H K)

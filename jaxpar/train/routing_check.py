@@ -70,6 +70,14 @@ class RoutingCheck:
         bug whose margins are small (a balancing bias's sign, a capacity order), not rounding."""
         return not self.flips and self.tie_share <= self.max_tie_share
 
+    def judged(self) -> dict[str, tuple[dict, float]]:
+        """{check: ({what: value}, its bound)} for verify's verdict: the largest margins among the changed decisions
+        (a flip: beyond the tie tolerance; a decision the replay did not reproduce: inf), and the ties' share."""
+        margins = {f"step {f['step']} layer {f['layer']} row {f['row']} position {f['position']}":
+                   np.inf if f["margin"] is None else f["margin"] for f in self.worst}
+        return {"routing_margin": (margins, self.tolerance),
+                "routing_tie_share": ({"decisions": self.tie_share}, self.max_tie_share)}
+
     def report(self) -> dict:
         """routing_changes {ties, flips, decisions, tie_share}, the tie tolerance and the ties' largest share,
         and the flips with the largest margins (a margin of None: the reference did not reproduce the

@@ -203,11 +203,12 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
     verdict = _judge(policy, policy.loss_tolerance(cfg.train.objective), loss_errors, norms, grad_errors, _flat(params),
                      _flat(ref_params), initial, ties, shares)
+    for check, (values, bound) in (routing.judged() if routing else {}).items():
+        verdict.add(check, values, bound)
     result = {"layout": session.layout_name(), "steps": cfg.train.steps, **verdict.report()}
     if ties is not None:
         result["update_ties"] = ties.count()
-    ok = verdict.ok and (routing is None or routing.ok)
-    return {"ok": bool(ok), **result, **(routing.report() if routing else {})}
+    return {"ok": verdict.ok, **result, **(routing.report() if routing else {})}
 
 
 def _judged_gradients(gradients: dict, ref_gradients: dict, gauged: dict | None, policy):
