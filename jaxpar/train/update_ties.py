@@ -47,8 +47,12 @@ def _second_moments(opt_state) -> dict[str, np.ndarray]:
 class UpdateTies:
     """Adam's near-ties in the reference over a run's steps, and the judgement of the weights they touch."""
 
-    def __init__(self, initial_params: dict[str, np.ndarray]):
+    def __init__(self, initial_params: dict[str, np.ndarray], max_share: float = MAX_TIE_SHARE,
+                 judge_direction: bool = True):
         self.initial = initial_params  # the reference's weights before its first step, by path
+        # the policy's bound on the tied share, and whether the ties' direction is the gradient's (fp32) and not
+        # the layout's rounding (jaxpar.config.precision.MAX_UPDATE_TIE_SHARE)
+        self.max_share, self.judge_direction = max_share, judge_direction
         self.ties: dict[str, np.ndarray] = {}  # path -> elements that were ties after some step
         self.reached: dict[str, float] = {}  # path -> the tied elements' farthest move beyond the tensor's reach
         self.reversed = self.moved = 0  # tied elements the two sides moved opposite ways, and those moved at all
@@ -87,8 +91,9 @@ class UpdateTies:
         """{check: ({what: value}, its bound)}: the tied share of the elements, the share of tied elements moved
         the other way, and each tensor's farthest tied move as a share of twice its farthest update."""
         elements = sum(tied.size for tied in self.ties.values())
-        return {"tie_share": ({"ties": self.count() / max(elements, 1)}, MAX_TIE_SHARE),
-                "tie_reversed_share": ({"ties": self.reversed / max(self.moved, FEWEST_JUDGED)}, MAX_REVERSED_SHARE),
+        direction = {"tie_reversed_share": ({"ties": self.reversed / max(self.moved, FEWEST_JUDGED)},
+                                            MAX_REVERSED_SHARE)} if self.judge_direction else {}
+        return {"tie_share": ({"ties": self.count() / max(elements, 1)}, self.max_share), **direction,
                 "tie_reach": (self.reached, 1.0)}
 
     def count(self) -> int:
