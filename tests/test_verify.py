@@ -88,7 +88,7 @@ def test_verify_cli_prints_json_last_line(tmp_path, capsys):
     result = json.loads(last)
     assert code == 0 and result["ok"] is True and result["steps"] == DEFAULT_STEPS
     assert set(result) == {"ok", "layout", "steps", "loss_max_rel_err", "grad_norm_max_rel_err", "grad_max_rel_err",
-                           "update_max_rel_err", "param_max_rel_err", "failures"}
+                           "later_grad_max_rel_err", "update_max_rel_err", "param_max_rel_err", "failures"}
     assert result["failures"] == []
 
 

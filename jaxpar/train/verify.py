@@ -162,7 +162,7 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
     gather = jax.jit(lambda tree: tree, out_shardings=layout.replicated)
     ref_state = reference.put_state(layout.to_model_order(jax.device_get(gather(state))))
     initial = {key: np.asarray(value, np.float64) for key, value in _flat(ref_state.params).items()}
-    ties = UpdateTies(initial) if has_near_ties(cfg) else None
+    ties = UpdateTies(initial, policy.reference, not policy.gradients_rounded) if has_near_ties(cfg) else None
     moe = cfg.model.moe
     max_ties = policy.max_routing_tie_share[moe.router == "expert_choice"]
     routing = RoutingCheck(moe.every, policy.tie_tolerance, moe.first_dense, max_ties) if layout.trace_routing else None
@@ -200,6 +200,12 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
         log(f"step {index + 1 - lag}: loss {loss:.7f}  reference {ref_loss:.7f}  rel err {loss_errors[-1]:.2e}"
             f"  grad norm {norms[0][-1]:.6g}  reference {norms[1][-1]:.6g}")
 
+    if cfg.train.objective in NEAR_TIE_OBJECTIVES:
+        # after the first step the gauge takes its gradient at the reference's weights, from which GRPO's layout
+        # has parted by its near-ties' whole Adam steps (taken either way by rounding: jaxpar.train.update_ties),
+        # not by fp8's rounding: tests/fault_catalog.py's clean GRPO layout measured 1.6-2.4 there, 0.77 at the
+        # first step, which alone is judged
+        shares = shares[:1]
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
     verdict = _judge(policy, policy.loss_tolerance(cfg.train.objective), loss_errors, norms, grad_errors, _flat(params),
                      _flat(ref_params), initial, ties, shares)
