@@ -67,8 +67,9 @@ class RoutingCheck:
     @property
     def ok(self) -> bool:
         """No flip, and no more ties than clean layouts make in this precision: many small-margin changes are a
-        bug whose margins are small (a balancing bias's sign, a capacity order), not rounding."""
-        return not self.flips and self.tie_share <= self.max_tie_share
+        bug whose margins are small (a balancing bias's sign, a capacity order), not rounding: every check of
+        judged() within its bound (a flip's margin lies beyond the tolerance, and flips lead the worst margins)."""
+        return all(value <= bound for values, bound in self.judged().values() for value in values.values())
 
     def judged(self) -> dict[str, tuple[dict, float]]:
         """{check: ({what: value}, its bound)} for verify's verdict: the largest margins among the changed decisions

@@ -243,9 +243,9 @@ def _judge(policy, loss_tol: float, loss_errors: list[float], norms, grad_errors
     verdict.add("grad_norm_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(norm_errors(*norms))},
                 policy.norm_tolerance)
     # at the first step both sides differentiate the same weights; after it, weights the update's rounding parted
-    first = {key: error for key, error in grad_errors.items() if key.endswith(" (step 1)")}
-    _add_split("grad_max_rel_err", verdict, first, policy.grad_tolerance, policy)
-    later = {key: error for key, error in grad_errors.items() if key not in first}
+    first_step = {key: error for key, error in grad_errors.items() if key.endswith(" (step 1)")}
+    _add_split("grad_max_rel_err", verdict, first_step, policy.grad_tolerance, policy)
+    later = {key: error for key, error in grad_errors.items() if key not in first_step}
     _add_split("later_grad_max_rel_err", verdict, later, policy.later_grad_tolerance, policy)
     if shares:
         first, after = policy.rounding_share
