@@ -11,20 +11,6 @@ from fault_catalog import AREAS, FAULTS, caught, first_check, run
 
 MIN_FAULTS = 30
 MAX_QUICK = 3  # the quick tier's budget of verifies
-# verify's known blind spots: (fault, precision) -> what was measured. Each is an expected failure that must keep
-# failing (strict): the day verify catches it, the mark goes. fp8 layouts are judged against an fp8 reference
-# whose own rounding noise (a bf16 ulp turns an e4m3 rounding) is about half of fp8's own effect; verify gauges
-# that effect (jaxpar.config.precision.FP8_ROUNDING_SHARE), which catches the fp8 hooks' faults at the first step.
-BLIND_SPOTS = {
-    ("2bw weight version", "fp8"): "stale and current weights are one update apart: over verify's 5 steps the "
-                                   "gradients differ by a rounding share of 1.18 against 1.25 (clean: up to 0.98); "
-                                   "caught at 3 steps (1.53) and at 10 (the loss); bf16 is caught (gradients 0.26)",
-    ("DPO pairs weighed per shard", "fp8"): "loss 8.9e-4 where the clean layout reaches 6.6e-4 and the sweep's draw "
-                                            "12 1.2e-3 (jaxpar.config.precision.FP8_MARGIN_LOSS); rounding shares "
-                                            "0.52 and 0.64 (clean 0.53, 0.62)",
-}
-
-
 # The issue's own cases run in every precision in the suite; every other fault in its first precision (fp32 where
 # its code runs in fp32), its others in benchmarks/verify_faults.py, which runs the whole table: the suite has
 # CI's 90 minutes to fit in.
@@ -38,8 +24,6 @@ def _cases():
         for precision in judged:
             quick = fault.quick and precision == "fp32"
             marks = [] if quick else [pytest.mark.slow]
-            if (fault.name, precision) in BLIND_SPOTS:
-                marks.append(pytest.mark.xfail(strict=True, reason=BLIND_SPOTS[fault.name, precision]))
             yield pytest.param(fault, precision, id=f"{fault.name}-{precision}", marks=marks)
 
 
@@ -63,7 +47,6 @@ def test_the_catalog_covers_every_area_with_30_faults():
     assert all(by_area.values()), [area for area, names in by_area.items() if not names]
     assert all(fault.precisions for fault in FAULTS)
     quick = [case for case in CASES if not case.marks]
-    assert set(BLIND_SPOTS) <= {(fault.name, precision) for fault in FAULTS for precision in fault.precisions}
     assert 1 <= len(quick) <= MAX_QUICK, [case.id for case in quick]
 
 

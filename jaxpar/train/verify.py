@@ -79,7 +79,22 @@ def _compiled_afresh():
 
 def verify(session: Session, log=print, model=None, rules=None) -> dict:
     """Run both sides for train.steps steps; return the result dict printed by the CLI. `model`
-    and `rules`: a module of your own and its rules, as for Trainer."""
+    and `rules`: a module of your own and its rules, as for Trainer. A policy with a logic_precision (fp8's: fp32)
+    has the same layout verified in it as well, under `logic` (jaxpar.config.precision.PrecisionPolicy)."""
+    logic = session.precision.logic_precision
+    if logic is None:
+        return _verified(session, log, model, rules)
+    # validated before anything compiles, like the layout's own config
+    logic_session = on_devices(session.cfg.replace(**{"train.precision": logic}), session.devices)
+    checked = _verified(logic_session, lambda line: log(f"{logic}: {line}"), model, rules)
+    result = _verified(session, log, model, rules)
+    failures = [{**failure, "check": f"{logic} {failure['check']}"} for failure in checked.get("failures", [])]
+    return {**result, "ok": result["ok"] and checked["ok"], "failures": failures + result.get("failures", []),
+            "logic": {"precision": logic, **checked}}
+
+
+def _verified(session: Session, log, model, rules) -> dict:
+    """verify in the session's own precision."""
     cfg = session.cfg
     traced = bool(cfg.model.moe.experts) and model is None  # jaxpar's MoE records and replays its routing
     local = cfg.parallel.sync_every > 1
@@ -88,9 +103,10 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
 
         loss_errors, errors = verify_local(session, layout, reference_config(cfg), cfg.train.steps, log)
         loss_tol, param_tol = session.precision.tolerances
-        return {"ok": bool(max(loss_errors) <= loss_tol and max(errors.values()) <= param_tol),
-                "layout": session.layout_name(), "steps": cfg.train.steps, "loss_max_rel_err": max(loss_errors),
-                "param_max_rel_err": max(errors.values())}
+        verdict = Verdict()
+        verdict.add("loss_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(loss_errors)}, loss_tol)
+        verdict.add("param_max_rel_err", errors, param_tol)
+        return {"ok": verdict.ok, "layout": session.layout_name(), "steps": cfg.train.steps, **verdict.report()}
     # In a multi-process run every process keeps its own reference on one of its own devices.
     reference = Trainer(on_devices(reference_config(cfg), jax.local_devices()[:1]), model, rules,
                         trace_routing=traced, trace_gradients=True)
