@@ -88,8 +88,9 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     logic_session = on_devices(session.cfg.replace(**{"train.precision": logic}), session.devices)
     checked = _verified(logic_session, lambda line: log(f"{logic}: {line}"), model, rules)
     result = _verified(session, log, model, rules)
-    failures = [{**failure, "check": f"{logic} {failure['check']}"} for failure in checked.get("failures", [])]
-    return {**result, "ok": result["ok"] and checked["ok"], "failures": failures + result.get("failures", []),
+    failures = [{**failure, "check": f"{logic} {failure['check']}"} for failure in checked["failures"]]
+    failures = sorted(failures + result["failures"], key=lambda f: f["error"] / f["tolerance"], reverse=True)
+    return {**result, "ok": result["ok"] and checked["ok"], "failures": failures,
             "logic": {"precision": logic, **checked}}
 
 
