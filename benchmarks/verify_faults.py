@@ -7,9 +7,10 @@ Usage:
 --quick runs the catalog's quick faults in fp32 only (the quick tier of tests/test_verify_faults.py). Printed: a
 header line (commit, date, CPU and whether it has AVX-512 BF16: a near-tie can flip with the CPU's arithmetic),
 then a markdown table with a column per precision: the check that failed worst ("routing": a routing decision
-flipped), "not caught", "clean fails: CHECK" where the layout fails verify without the fault as well (each
-layout is verified clean first, once per precision: a catch there would prove nothing), or "-" where the fault's
-code does not run; then the total time.
+flipped; for fp8, whose verify runs the layout in fp32 as well, "; own:" and the worst of the fp8 comparison's own
+checks, "-" where only the fp32 pass failed), "not caught", "clean fails: CHECK" where the layout fails verify
+without the fault as well (each layout is verified clean first, once per precision: a catch there would prove
+nothing), or "-" where the fault's code does not run; then the total time.
 """
 
 from __future__ import annotations
@@ -96,7 +97,14 @@ def verdict(fault, precision: str, run_dir: Path) -> str:
     result = _outcome(fault, precision, run_dir)
     if isinstance(result, str):
         return result
-    return first_check(result) if caught(result) else "not caught"
+    if not caught(result):
+        return "not caught"
+    if "logic" not in result:
+        return first_check(result)
+    # fp8's verify: which of its two comparisons caught the fault (its fp32 pass's checks are named "fp32 ...")
+    logic = f"{result['logic']['precision']} "
+    own = next((failure["check"] for failure in result["failures"] if not failure["check"].startswith(logic)), "-")
+    return f"{first_check(result)}; own: {own}"
 
 
 def main() -> int:
