@@ -23,7 +23,7 @@ from jaxpar.train.feeds import RolloutFeed
 from jaxpar.train.routing_check import RoutingCheck
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.update_ties import UpdateTies
-from jaxpar.train.verify_checks import Verdict, gradient_errors, norm_errors, rounding_share, update_errors
+from jaxpar.train.verify_checks import Verdict, gradient_errors, norm_errors, rounding_share, update_errors, worst_first
 from jaxpar.train.verify_local import verify_local
 
 # Five steps: four updates each followed by a compared loss, and a fifth whose update the weights show. The
@@ -89,7 +89,7 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     checked = _verified(logic_session, lambda line: log(f"{logic}: {line}"), model, rules)
     result = _verified(session, log, model, rules)
     failures = [{**failure, "check": f"{logic} {failure['check']}"} for failure in checked["failures"]]
-    failures = sorted(failures + result["failures"], key=lambda f: f["error"] / f["tolerance"], reverse=True)
+    failures = worst_first(failures + result["failures"])
     return {**result, "ok": result["ok"] and checked["ok"], "failures": failures,
             "logic": {"precision": logic, **checked}}
 
@@ -105,7 +105,7 @@ def _verified(session: Session, log, model, rules) -> dict:
         loss_errors, errors = verify_local(session, layout, reference_config(cfg), cfg.train.steps, log)
         loss_tol, param_tol = session.precision.tolerances
         verdict = Verdict()
-        verdict.add("loss_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(loss_errors)}, loss_tol)
+        verdict.add_steps("loss_max_rel_err", loss_errors, loss_tol)
         verdict.add("param_max_rel_err", errors, param_tol)
         return {"ok": verdict.ok, "layout": session.layout_name(), "steps": cfg.train.steps, **verdict.report()}
     # In a multi-process run every process keeps its own reference on one of its own devices.
@@ -256,9 +256,8 @@ def _judge(policy, loss_tol: float, loss_errors: list[float], norms, grad_errors
     rounding shares (a gauged policy's), the first step's apart (the weights still the same: no drift in it)."""
     param_tol = policy.tolerances[1]
     verdict = Verdict()
-    verdict.add("loss_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(loss_errors)}, loss_tol)
-    verdict.add("grad_norm_max_rel_err", {f"step {i + 1}": e for i, e in enumerate(norm_errors(*norms))},
-                policy.norm_tolerance)
+    verdict.add_steps("loss_max_rel_err", loss_errors, loss_tol)
+    verdict.add_steps("grad_norm_max_rel_err", norm_errors(*norms), policy.norm_tolerance)
     # at the first step both sides differentiate the same weights; after it, weights the update's rounding parted
     first_step = {key: error for key, error in grad_errors.items() if key.endswith(" (step 1)")}
     _add_split("grad_max_rel_err", verdict, first_step, policy.grad_tolerance, policy)
@@ -266,8 +265,8 @@ def _judge(policy, loss_tol: float, loss_errors: list[float], norms, grad_errors
     _add_split("later_grad_max_rel_err", verdict, later, policy.later_grad_tolerance, policy)
     if shares:
         first, after = policy.rounding_share
-        verdict.add("first_rounding_share", {"step 1": shares[0]}, first)
-        verdict.add("rounding_share", {f"step {i + 2}": share for i, share in enumerate(shares[1:])}, after)
+        verdict.add_steps("first_rounding_share", shares[:1], first)
+        verdict.add_steps("rounding_share", shares[1:], after, first=2)
     if ties is not None:
         params, ref_params, initial = ties.without_ties(params, ref_params, initial)
         for check, (values, bound) in ties.judged().items():

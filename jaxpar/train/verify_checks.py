@@ -73,6 +73,11 @@ def norm_errors(norms: list[float], ref_norms: list[float]) -> list[float]:
     return [abs(a - b) / max(abs(b), 1e-30) if np.isfinite(a) else np.inf for a, b in zip(norms, ref_norms)]
 
 
+def worst_first(failures: list[dict]) -> list[dict]:
+    """Failures ordered by their error relative to their tolerance, the largest first."""
+    return sorted(failures, key=lambda f: f["error"] / f["tolerance"], reverse=True)
+
+
 class Verdict:
     """The checks' worst errors and the failures among them, gathered check by check."""
 
@@ -86,9 +91,13 @@ class Verdict:
         self.failures += [{"check": check, "where": where, "error": float(error), "tolerance": tolerance}
                           for where, error in errors.items() if not error <= tolerance]
 
+    def add_steps(self, check: str, errors: list[float], tolerance: float, first: int = 1) -> None:
+        """Record check `check` over one error a step, the first of them step `first`."""
+        self.add(check, {f"step {first + i}": error for i, error in enumerate(errors)}, tolerance)
+
     def report(self) -> dict:
         """{check: its worst error, ..., 'failures': the worst offences, largest relative to tolerance first}."""
-        worst = sorted(self.failures, key=lambda f: f["error"] / f["tolerance"], reverse=True)[:WORST_REPORTED]
+        worst = worst_first(self.failures)[:WORST_REPORTED]
         return {**self.worst, "failures": worst}
 
     @property
