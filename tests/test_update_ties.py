@@ -27,7 +27,7 @@ def _gradient(ties: int = 1) -> np.ndarray:
 
 
 def _judged(before, after, layout, state):
-    ties = UpdateTies({"w": before})
+    ties = UpdateTies({"w": before}, "fp32", judge_direction=True)  # an fp32 layout's
     ties.add(state)
     kept = ties.without_ties({"w": layout}, {"w": after}, {"w": before})
     return ties, kept, {check: max(values.values()) <= bound for check, (values, bound) in ties.judged().items()}
@@ -76,7 +76,7 @@ def test_no_adam_no_ties():
     params = {"w": jnp.zeros((64, 64))}
     optimizer = optax.adafactor(LR, min_dim_size_to_factor=32)
     _, state = optimizer.update({"w": jnp.ones((64, 64))}, optimizer.init(params), params)
-    ties = UpdateTies({"w": np.zeros((64, 64))})
+    ties = UpdateTies({"w": np.zeros((64, 64))}, "fp32", judge_direction=True)
     ties.add(state)
     kept = ties.without_ties({"w": np.ones((64, 64))}, {"w": np.ones((64, 64))}, {"w": np.zeros((64, 64))})
     assert ties.count() == 0 and kept[0]["w"].shape == (64, 64)

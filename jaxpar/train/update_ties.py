@@ -53,7 +53,7 @@ def _second_moments(opt_state) -> dict[str, np.ndarray]:
 class UpdateTies:
     """Adam's near-ties in the reference over a run's steps, and the judgement of the weights they touch."""
 
-    def __init__(self, initial_params: dict[str, np.ndarray], reference: str = "fp32", judge_direction: bool = True):
+    def __init__(self, initial_params: dict[str, np.ndarray], reference: str, judge_direction: bool):
         self.initial = initial_params  # the reference's weights before its first step, by path
         # the bound on the tied share (by the reference's train.precision), and whether the ties' direction is the
         # gradient's, not the layout's rounding (MAX_REVERSED_SHARE)
