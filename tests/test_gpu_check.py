@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # 39 s, the quick tier's longest test: a benchmark's smoke run, not a module of jaxpar
 def test_the_dry_run_measures_every_row_and_verifies(tmp_path):
     results = tmp_path / "RESULTS.md"
     done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--results", str(results)],

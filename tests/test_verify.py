@@ -99,3 +99,20 @@ def test_verify_makes_at_least_four_updates_the_first_one_learning():
     assert DEFAULT_STEPS >= 5  # four updates each followed by a compared loss, and one the weights show
     assert float(lr_schedule(TrainConfig(lr=1e-3, warmup=20, steps=40))(0)) == pytest.approx(1e-3 / 20)
     assert float(lr_schedule(TrainConfig(lr=1e-3, warmup=20, steps=5))(0)) == pytest.approx(1e-3 / 5)  # warmup <= steps
+
+
+@pytest.mark.slow
+def test_two_layouts_of_one_model_verify_against_one_reference(session_for, monkeypatch, tmp_path):
+    """The single-device reference is built once for the two layouts of one model (run.* aside), and kept."""
+    from collections import OrderedDict
+
+    import jaxpar.train.verify as verify_module
+
+    built, build = [], verify_module.Trainer
+    monkeypatch.setattr(verify_module, "Trainer", lambda session, *a, **k: built.append(session.mesh.size) or
+                        build(session, *a, **k))
+    monkeypatch.setattr(verify_module, "_SINGLE_DEVICE", OrderedDict())
+    for layout in (["mesh.data=8"], ["mesh.data=4", "mesh.tensor=2", f"run.dir={tmp_path / 'other'}"]):
+        result = verify(session_for("train.steps=2", *SMALL_MODEL, *layout), log=lambda line: None)
+        assert result["ok"], result
+    assert built == [8, 1, 8], built

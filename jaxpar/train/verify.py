@@ -9,11 +9,14 @@ its own router would have made otherwise (jaxpar.train.routing_check).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.config import Config, RunConfig
 from jaxpar.config.precision import of as policy_of
 from jaxpar.features import reference_overrides
 from jaxpar.rl.rollout import Scoring
@@ -41,6 +44,12 @@ NEAR_TIE_OBJECTIVES = ("grpo",)
 # 0.68 (draw 9), where every other tensor stays within the policy's tolerance. They are judged at 5 times it: in
 # bf16 a gradient that is lost or scaled by 2 still fails, in fp8 only one that is lost.
 CANCELLING_FACTOR = 5
+# The single-device trainers (references and fp8's gauges) of the last configs verified in this process, kept for
+# the next verify of the same model: verifying several layouts of one model (the fault catalog, the sweep, a search
+# by hand) compiles the reference once. Its programs were about a third of a verify's time: the catalog's expert
+# layout took 7.3 s a fault with its own reference, 4.3-5.7 s with the one before (2 cores, fp32).
+_SINGLE_DEVICE: OrderedDict[tuple, Trainer] = OrderedDict()
+KEPT_SINGLE_DEVICE = 4
 
 
 def has_near_ties(cfg) -> bool:
@@ -108,15 +117,31 @@ def _verified(session: Session, log, model, rules) -> dict:
         verdict.add_steps("loss_max_rel_err", loss_errors, loss_tol)
         verdict.add("param_max_rel_err", errors, param_tol)
         return {"ok": verdict.ok, "layout": session.layout_name(), "steps": cfg.train.steps, **verdict.report()}
-    # In a multi-process run every process keeps its own reference on one of its own devices.
-    reference = Trainer(on_devices(reference_config(cfg), jax.local_devices()[:1]), model, rules,
-                        trace_routing=traced, trace_gradients=True)
+    reference = _single_device(reference_config(cfg), model, rules, traced)
     gauge = None
     if session.precision.rounding_gauge is not None:  # fp8: the reference with its GEMMs in bf16
-        gauge = Trainer(on_devices(gauge_config(cfg), jax.local_devices()[:1]), model, rules, trace_routing=traced,
-                        trace_gradients=True)
+        gauge = _single_device(gauge_config(cfg), model, rules, traced)
     with _compiled_afresh():  # the init too: a cached init beside a fresh step deadlocked (_compiled_afresh)
         return _compare(session, layout, reference, layout.init(), log, gauge)
+
+
+def _single_device(cfg: Config, model, rules, traced: bool) -> Trainer:
+    """A trainer of `cfg` on this process's first device (in a multi-process run every process keeps its own
+    reference), traced for verify; for jaxpar's own model, the one kept from an earlier verify of the same config
+    (run.* aside: it names no program) if there is one (_SINGLE_DEVICE). A module of your own is built afresh:
+    verify cannot tell whether it changed since."""
+    device = jax.local_devices()[0]
+    build = lambda: Trainer(on_devices(cfg, [device]), model, rules, trace_routing=traced,  # noqa: E731
+                            trace_gradients=True)
+    if model is not None or rules is not None:
+        return build()
+    key = (dataclasses.replace(cfg, run=RunConfig()), traced, device.id)
+    if key not in _SINGLE_DEVICE:
+        _SINGLE_DEVICE[key] = build()
+        while len(_SINGLE_DEVICE) > KEPT_SINGLE_DEVICE:
+            _SINGLE_DEVICE.popitem(last=False)
+    _SINGLE_DEVICE.move_to_end(key)
+    return _SINGLE_DEVICE[key]
 
 
 def _batches(session: Session, layout: Trainer, reference: Trainer, gather):
