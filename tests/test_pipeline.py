@@ -142,7 +142,6 @@ def test_2bw_really_uses_one_step_stale_weights(session_for, monkeypatch):
     original = verify_module.reference_config
     monkeypatch.setattr(verify_module, "reference_config",
                         lambda cfg: original(cfg).replace(**{"parallel.pipeline.schedule": "1f1b"}))
-    # the 2BW layout verified above: its step comes from the compilation cache
     result = verify(session_for("train.steps=3", *SMALL_MODEL, "mesh.data=2", "mesh.stage=4",
                                 "parallel.pipeline.schedule=2bw"), log=lambda line: None)
     assert not result["ok"] and result["loss_max_rel_err"] > 1e-4
@@ -152,7 +151,7 @@ def test_2bw_really_uses_one_step_stale_weights(session_for, monkeypatch):
 def test_pipeline_idle_fraction_is_in_the_metrics(session_for):
     from jaxpar.train.loop import train
 
-    # the recompute layout verified above (its step comes from the compilation cache)
+    # the recompute layout verified above, trained
     session = session_for(*SMALL_MODEL, "mesh.tensor=2", "mesh.stage=4", "parallel.pipeline.microbatches=8",
                           "parallel.pipeline.recompute=true", "train.steps=2", "train.log_every=1",
                           "train.eval_batches=1", "train.sample_tokens=8")

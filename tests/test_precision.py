@@ -36,7 +36,7 @@ def test_fp16_follows_the_fp32_loss_curve(tmp_path):
 
 @pytest.mark.slow
 def test_overflowing_step_is_skipped_and_the_scale_halves(session_for):
-    # the small model of the fp16 verify on the same layout (its step may come from the compilation cache)
+    # the small model of the fp16 verify on the same layout
     session = session_for(*SMALL_MODEL, "mesh.data=4", "mesh.tensor=2", "train.precision=fp16")
     trainer = Trainer(session)
     state = trainer.init()

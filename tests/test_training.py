@@ -4,7 +4,7 @@ import pytest
 from helpers import SMALL_MODEL
 from test_verify import LAYOUTS
 
-# A layout tests/test_verify.py verifies in the same shape: its step comes from the compilation cache.
+# A layout tests/test_verify.py verifies in the same shape.
 VERIFIED = LAYOUTS["data=8, zero 2, remat full"]
 
 

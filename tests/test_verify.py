@@ -23,8 +23,12 @@ LAYOUTS = {
 QUICK = ("data=4 x tensor=2, zero 3",)  # the quick tier's verify: tensor parallelism and ZeRO-3 at once
 
 
+# verified through the command line by test_verify_cli_prints_json_last_line, at its default steps
+BY_THE_CLI = "data=8, zero 1, grad_accum=4"
+
+
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow)
-                                    for name in LAYOUTS])
+                                    for name in LAYOUTS if name != BY_THE_CLI])
 def test_layout_matches_single_device(layout, session_for):
     result = verify(session_for("train.steps=3", *SMALL_MODEL, *LAYOUTS[layout]), log=lambda line: None)
     assert result["ok"], result
@@ -47,10 +51,10 @@ def test_half_precision_stays_within_its_tolerance_of_fp32(session_for, precisio
 
 @pytest.mark.slow
 def test_verify_detects_a_different_trajectory(tmp_path):
-    """The comparison can fail: a reference with another learning rate must be reported. In a process of its own,
-    after the same layout's verify above filled the compilation cache: XLA:CPU (jax 0.12.0.1) deadlocked this step
-    when its init program came from that cache (verify now compiles all of its programs afresh), and an abort
-    would take the test process with it."""
+    """The comparison can fail: a reference with another learning rate must be reported. In a process of its own:
+    XLA:CPU (jax 0.12.0.1) deadlocked this step when its init program came from the persistent compilation cache
+    (verify compiles all of its programs afresh now: jaxpar.train.verify._compiled_afresh), and an abort would take
+    the test process with it."""
     import json
     import subprocess
     import sys
@@ -82,14 +86,14 @@ def test_verify_cli_prints_json_last_line(tmp_path, capsys):
 
     from jaxpar.cli import main
 
-    # a layout verified above: its programs come from the compilation cache
-    code = main(["verify", *SMALL_MODEL, *LAYOUTS["data=8, zero 1, grad_accum=4"], f"run.dir={tmp_path}"])
+    code = main(["verify", *SMALL_MODEL, *LAYOUTS[BY_THE_CLI], f"run.dir={tmp_path}"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     result = json.loads(last)
     assert code == 0 and result["ok"] is True and result["steps"] == DEFAULT_STEPS
     assert set(result) == {"ok", "layout", "steps", "loss_max_rel_err", "grad_norm_max_rel_err", "grad_max_rel_err",
                            "later_grad_max_rel_err", "update_max_rel_err", "param_max_rel_err", "failures"}
     assert result["failures"] == []
+    assert result["loss_max_rel_err"] <= 1e-5 and result["param_max_rel_err"] <= 1e-4
 
 
 def test_verify_makes_at_least_four_updates_the_first_one_learning():
@@ -116,3 +120,28 @@ def test_two_layouts_of_one_model_verify_against_one_reference(session_for, monk
         result = verify(session_for("train.steps=2", *SMALL_MODEL, *layout), log=lambda line: None)
         assert result["ok"], result
     assert built == [8, 1, 8], built
+
+
+def test_verify_compiles_afresh_even_after_the_process_compiled_with_the_cache(tmp_path):
+    """jax settles at a process's first compile whether it uses the persistent cache: verify's programs stay out of
+    it all the same (XLA:CPU aborted and deadlocked on such programs read back), and the process's others go on
+    using it after."""
+    import jax
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+    from jaxpar.train.verify import _compiled_afresh
+
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    reset_cache()
+    try:
+        jax.jit(lambda x: x + 1.5)(1.0)  # the process's first compile with this cache: it is used
+        assert len(list(tmp_path.iterdir())) == 1
+        with _compiled_afresh():
+            jax.jit(lambda x: x * 2.5)(1.0)
+        assert len(list(tmp_path.iterdir())) == 1
+        jax.jit(lambda x: x * 3.5)(1.0)
+        assert len(list(tmp_path.iterdir())) == 2
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        reset_cache()

@@ -15,6 +15,7 @@ from collections import OrderedDict
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 from jaxpar.config import Config, RunConfig
 from jaxpar.config.precision import of as policy_of
@@ -77,13 +78,18 @@ def _compiled_afresh():
     when its program came from that cache (data=8, ZeRO-2, full remat, verified twice in one process), and
     deadlocks the step's collectives when the init that made its state came from the cache and the step did not
     (the same layout verified again in a fresh process, against a reference at another learning rate: two devices
-    waited at an all-reduce, six at an all-gather). Compiled afresh, both run."""
+    waited at an all-reduce, six at an all-gather). Compiled afresh, both run. jax decides whether it uses the
+    cache at a process's first compile and keeps to it, whatever the setting says after: the cache is reset on
+    the way in and out, so that the setting holds here (it did not once anything had compiled before verify),
+    and the cache serves the process's other programs again after."""
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
+        reset_cache()
 
 
 def verify(session: Session, log=print, model=None, rules=None) -> dict:
