@@ -194,6 +194,7 @@ def test_sigkill_between_steps_resumes_with_the_microbatches_in_flight(tmp_path)
     assert metrics(cut) == metrics(whole)
 
 
+@pytest.mark.slow  # the quick tier's 2BW: the verify (tests/test_pipeline.py) and the exact resume above
 def test_a_drained_run_trained_further_goes_on_as_if_never_drained(tmp_path):
     """A finished run (drained: its last update applied, nothing in flight) that is given more steps logs
     exactly the losses, and ends with the weights, of the run that had those steps from the start."""
