@@ -30,7 +30,7 @@ def run(cfg, devices) -> dict:
     """One run of `cfg` from fresh weights on jaxpar's batches: each step's training loss and the final
     validation loss."""
     from jaxpar.session import on_devices
-    from jaxpar.train.loop import validation_loss
+    from jaxpar.train.run_summary import validation_loss
     from jaxpar.train.trainer import Trainer
 
     session = on_devices(cfg, devices)
