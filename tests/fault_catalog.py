@@ -693,7 +693,7 @@ def pairs_weighed_per_shard(original):
 
 
 def mean_over_all_positions(original):
-    """GRPO's per-completion mean (jaxpar.train.grpo.token_terms) over all positions of the row, prompt and
+    """GRPO's per-completion mean (jaxpar.rl.grpo.token_terms) over all positions of the row, prompt and
     padding included, not over the completion's counted tokens."""
 
     def faulty(logp_BL, *args, **kwargs):
@@ -786,7 +786,7 @@ FAULTS = [
     Fault("context mask one ahead", "a context block pair's causal mask lets each query see the next token",
           "jaxpar.parallel.context_pair:_visible", mask_one_ahead, layout=CONTEXT_LAYOUT, area="context ring"),
     Fault("balance chunks swapped", "the batch's balance permutation holds each device's late chunk first",
-          "jaxpar.train.step:device_order", late_chunk_first, layout=CONTEXT_LAYOUT, area="context ring"),
+          "jaxpar.laid_out.forward:device_order", late_chunk_first, layout=CONTEXT_LAYOUT, area="context ring"),
     Fault("online softmax unrescaled", "the ring's merge adds the earlier output without its rescale",
           "jaxpar.parallel.context:merge", unrescaled_merge, layout=CONTEXT_LAYOUT, area="context ring"),
     Fault("1f1b microbatch weight", "1F1B seeds each microbatch's backward with 1, not 1 / M",
@@ -845,7 +845,7 @@ FAULTS = [
           "jaxpar.train.step:weighted_pairs", pairs_weighed_per_shard, layout=QUICK_LAYOUT, data=_preference_data,
           area="DPO per-row reductions"),
     Fault("GRPO mean over all positions", "GRPO's per-completion mean divides by the row's length, not its tokens",
-          "jaxpar.train.grpo:token_terms", mean_over_all_positions, layout=QUICK_LAYOUT, data=_grpo_prompts,
+          "jaxpar.rl.grpo:token_terms", mean_over_all_positions, layout=QUICK_LAYOUT, data=_grpo_prompts,
           area="GRPO per-row reductions"),
     # ---- a second set, in layout-specific code the issue does not name
     Fault("context all-gather reversed", "all-gather context attention reads the ranks' blocks in reverse",

@@ -8,10 +8,10 @@ from helpers import train_here
 
 from jaxpar.cli import main
 from jaxpar.config.presets import load_config
+from jaxpar.laid_out.checkpoint_files import flat_by_path
+from jaxpar.laid_out.saved_run import SavedRun
 from jaxpar.model.adapters import Frozen
 from jaxpar.session import prepare
-from jaxpar.train.checkpoint import flat_by_path
-from jaxpar.train.saved_run import SavedRun
 from jaxpar.train.trainer import Trainer
 
 SHAPE = ("model.d_model=32", "model.n_layers=2", "model.d_ff=64", "model.seq_len=32")

@@ -3,6 +3,8 @@ transformers' greedy generate on its own checkpoints, the same draws on every la
 and `jaxpar generate --prompts`."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -204,3 +206,24 @@ def test_generation_holds_no_copy_of_the_weights():
     compiled = generator._program.lower(params, jnp.zeros((4, 8), jnp.int32), rows, rows).compile()
     weights = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
     assert compiled.memory_analysis().temp_size_in_bytes < weights / 2
+
+
+def test_what_generate_and_eval_run_on_builds_no_train_step(tmp_path):
+    """`jaxpar generate --prompts` and `jaxpar eval` load their model with load_model: a laid-out model
+    (jaxpar.laid_out) whose construction, weights and generation import no module of jaxpar.train, so no
+    train step is built or traced (the Trainer they once built traced 2BW's step)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    script = (
+        "import sys\n"
+        "from jaxpar.sampling.from_files import Request, generate_file\n"
+        "from jaxpar.sampling.model_source import load_model\n"
+        f"loaded = load_model({str(FIXTURES / 'llama')!r}, None, ['mesh.data=4', 'mesh.tensor=2'], 4, 'evaluation',"
+        " progress=False)\n"
+        f"generate_file({str(FIXTURES / 'llama')!r}, Request({str(prompts)!r}, {str(tmp_path / 'out.jsonl')!r},"
+        " batch=8, tokens=2), ['mesh.data=8'], progress=False)\n"
+        "print(type(loaded.model).__name__, sorted(m for m in sys.modules if m.startswith('jaxpar.train')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["LaidOutModel", "[]"], done.stdout
+    assert json.loads((tmp_path / "out.jsonl").read_text())["new_tokens"] == 2

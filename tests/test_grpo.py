@@ -1,4 +1,4 @@
-"""jaxpar.train.grpo against an independent implementation written from the paper (Shao et al. 2024,
+"""jaxpar.rl.grpo against an independent implementation written from the paper (Shao et al. 2024,
 eqs. 3 and 4): a Python loop over rows, each row's counted tokens picked out by index, the surrogate as
 min(r A, clip(r) A), on random log-probabilities, masks and advantages; the loss and its gradient."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from jaxpar.config.rl import RLConfig
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.train.grpo import batch_objective, group_advantages, token_terms
+from jaxpar.rl.grpo import batch_objective, group_advantages, token_terms
 
 B, L = 6, 7
 

@@ -14,12 +14,13 @@ from helpers import SMALL_MODEL
 from jaxpar.cli import main
 from jaxpar.config.presets import load_config
 from jaxpar.data.packed_rows import PackedRows
+from jaxpar.laid_out.forward import RowInputs
 from jaxpar.model.moe_step import ExpertTerms
 from jaxpar.model.transformer import Transformer
+from jaxpar.rl.grpo import group_advantages
 from jaxpar.rl.rollout import training_rows
 from jaxpar.session import prepare
-from jaxpar.train.grpo import group_advantages
-from jaxpar.train.step import RowInputs, objective
+from jaxpar.train.step import objective
 from jaxpar.train.verify import verify
 
 CLIP, KL_BETA = 0.2, 0.1

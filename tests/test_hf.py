@@ -166,7 +166,7 @@ def test_train_export_and_import_again_gives_the_trained_weights(tmp_path):
     """qwen2 on data=2 x tensor=4 with its 300-row vocabulary padded to 304: 5 steps, export in fp32 (the
     padding dropped), import again: every parameter equals the checkpoint's, bit for bit."""
     from jaxpar.interop import hf
-    from jaxpar.train.saved_run import SavedRun
+    from jaxpar.laid_out.saved_run import SavedRun
 
     run, out = tmp_path / "run", tmp_path / "hf"
     assert main(["train", f"model.from_hf={FIXTURES / 'qwen2'}", "mesh.data=2", "mesh.tensor=4",

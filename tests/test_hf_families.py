@@ -357,7 +357,7 @@ def test_train_export_and_import_again_gives_the_trained_weights(name, layout, t
     from flax import nnx
 
     from jaxpar.interop import hf
-    from jaxpar.train.saved_run import SavedRun
+    from jaxpar.laid_out.saved_run import SavedRun
 
     run, out = tmp_path / "run", tmp_path / "hf"
     assert main(["train", f"model.from_hf={FIXTURES / name}", *layout, "train.steps=4", "checkpoint.every=4",

@@ -12,9 +12,10 @@ from flax import nnx
 from jaxpar.config.presets import load_config
 from jaxpar.data import BatchSampler, load_tokens
 from jaxpar.data.packed_rows import PackedRows
+from jaxpar.laid_out.forward import RowInputs
 from jaxpar.model import Transformer
 from jaxpar.model.moe_step import ExpertTerms, row_keys
-from jaxpar.train.step import RowInputs, objective
+from jaxpar.train.step import objective
 
 # This module's fixtures are built once, on one pytest-xdist worker
 pytestmark = pytest.mark.xdist_group("test_moe_options")

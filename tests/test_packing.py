@@ -17,10 +17,10 @@ from jaxpar.config.presets import load_config
 from jaxpar.data.document_readers import DocumentSpec
 from jaxpar.data.documents import Documents
 from jaxpar.data.packing import ConcatSampler, PackSampler
+from jaxpar.laid_out.forward import token_loss
 from jaxpar.model import Transformer
 from jaxpar.model.flash import flash_attention
 from jaxpar.model.segments import Segments
-from jaxpar.train.step import token_loss
 from jaxpar.train.verify import verify
 
 SEQ = 32
@@ -186,7 +186,10 @@ def sft_folder(tmp_path_factory):
 
 def test_prompt_tokens_never_reach_the_loss(sft_folder, session_for):
     """The loss of a batch is unchanged when the targets of its prompt tokens are scrambled."""
-    from jaxpar.train.step import _cross_entropy
+    from jaxpar.laid_out.forward import logits_losses, mean_loss
+
+    def _mean_of(logits_BLV, rows):  # the mean cross-entropy over the counted targets
+        return mean_loss(logits_losses(logits_BLV, rows), rows)[0]
 
     session = session_for(f"data.source={sft_folder}", "model.vocab_size=300", "data.packing=pack",
                           "model.seq_len=32", "data.val_fraction=0.2")
@@ -197,12 +200,12 @@ def test_prompt_tokens_never_reach_the_loss(sft_folder, session_for):
     prompt = batch.mask_BT == 0
     scrambled[prompt] = np.random.default_rng(2).integers(0, 300, size=int(prompt.sum()))
     assert (scrambled != batch.tokens_BT).any()
-    loss = [float(_cross_entropy(logits_BLV, jax.tree.map(jnp.asarray, b).weighted()))
+    loss = [float(_mean_of(logits_BLV, jax.tree.map(jnp.asarray, b).weighted()))
             for b in (batch, dataclasses.replace(batch, tokens_BT=scrambled))]
     assert loss[0] == loss[1]
     # and the test can fail: scrambling the responses' tokens moves it
     responses = dataclasses.replace(batch, tokens_BT=np.where(prompt, batch.tokens_BT, scrambled.T[::-1].T))
-    assert float(_cross_entropy(logits_BLV, jax.tree.map(jnp.asarray, responses).weighted())) != loss[0]
+    assert float(_mean_of(logits_BLV, jax.tree.map(jnp.asarray, responses).weighted())) != loss[0]
 
 
 def test_fine_tuning_set_without_packing_is_refused(sft_folder, capsys, tmp_path):

@@ -10,9 +10,9 @@ from helpers import SMALL_MODEL, metrics, run_jaxpar_commands_at_level_1
 from jaxpar.config import ModelConfig
 from jaxpar.config.precision import INITIAL_FP16_SCALE, POLICIES
 from jaxpar.data import BatchSampler, load_tokens
+from jaxpar.laid_out.forward import token_loss
 from jaxpar.model import Transformer
 from jaxpar.train.loss_scale import LossScale
-from jaxpar.train.step import token_loss
 from jaxpar.train.trainer import Trainer
 
 

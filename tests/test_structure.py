@@ -10,7 +10,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "jaxpar"
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
-MAX_IMPORT_CHAIN, MAX_TOP_LEVEL_MODULES = 10, 10
+# 11: the laid-out model (jaxpar.laid_out) is a floor between parallel/ and train/, one more hop on the way
+# up (plan -> train -> laid_out -> session -> ...); the longest chain also runs config.validation -> features,
+# an import from a lower package to a higher one that issue 64 moves (then it is 10 again).
+MAX_IMPORT_CHAIN, MAX_TOP_LEVEL_MODULES = 11, 10
 
 
 def modules(package: Path = PACKAGE) -> dict[str, Path]:
@@ -196,3 +199,26 @@ def test_only_the_layout_compares_the_zero_stage_with_a_number():
     found = [f"{path.name}: {line.strip()}" for path, text in sources_outside("features/data.py")
              for line in text.splitlines() if compare.search(line) and "zero" in line]
     assert found == []
+
+
+# What runs a model without training it: none of it may import training (jaxpar.train), anywhere.
+BELOW_TRAINING = ("laid_out", "sampling", "evals", "rl", "interop")
+
+
+@pytest.mark.parametrize("package", BELOW_TRAINING)
+def test_what_runs_a_model_imports_nothing_of_training(package):
+    known = modules()
+    upward = {name: sorted(m for m in imports(path, known) if m == "jaxpar.train" or m.startswith("jaxpar.train."))
+              for name, path in known.items() if name.startswith(f"jaxpar.{package}")}
+    assert not {name: found for name, found in upward.items() if found}
+
+
+def test_the_training_import_check_sees_one(tmp_path):
+    package = tmp_path / "jaxpar"
+    (package / "rl").mkdir(parents=True)
+    (package / "train").mkdir()
+    for name in ("__init__.py", "rl/__init__.py", "train/__init__.py", "train/step.py"):
+        (package / name).write_text("")
+    (package / "rl" / "rollout.py").write_text("def later():\n    from jaxpar.train.step import x\n")
+    known = modules(package)
+    assert imports(package / "rl" / "rollout.py", known) == {"jaxpar.train.step"}

@@ -82,7 +82,7 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     # pinned host memory for the optimizer state (brought to the device for the update), full remat's layer inputs
     offload: Literal["none", "optimizer", "activations", "both"] = "none"
-    loss_chunks: int = 1  # logits + loss in N strided chunks of the sequence (train/chunked_loss.py); 0: automatic
+    loss_chunks: int = 1  # logits + loss in N strided chunks of the sequence (model/chunked_loss.py); 0: automatic
     # what training minimizes: next-token cross-entropy (sft), a preference loss on chosen/rejected pairs, or
     # GRPO's clipped policy objective on completions sampled every step and scored by rl.reward
     objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"

@@ -1,5 +1,5 @@
 """The rl section: reinforcement learning from verifiable rewards (train.objective=grpo; the loss in
-jaxpar.train.grpo, the rewards in jaxpar.rl.rewards, the rollouts in jaxpar.rl.rollout)."""
+jaxpar.rl.grpo, the rewards in jaxpar.rl.rewards, the rollouts in jaxpar.rl.rollout)."""
 
 from __future__ import annotations
 

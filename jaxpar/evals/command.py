@@ -58,10 +58,10 @@ def evaluate_source(source: str, request: Request, settings: list[str] = (), pro
             raise UserError(f"{flag} must be at least 1, got {value}.")
     tasks = load_tasks(parse_tasks(request.tasks), progress)
     loaded = load_model(source, request.step, list(settings), request.batch, "evaluation", progress)
-    trainer = loaded.trainer
-    max_length = request.max_length or (trainer.cfg.model.seq_len if loaded.step is not None
+    laid_out = loaded.model
+    max_length = request.max_length or (laid_out.cfg.model.seq_len if loaded.step is not None
                                         else hf_context_length(Path(source)))
-    model = EvalModel(trainer.graphdef, loaded.params, trainer.cfg.model, trainer.session.precision, trainer.layout,
+    model = EvalModel(laid_out.graphdef, loaded.params, laid_out.cfg.model, laid_out.session.precision, laid_out.layout,
                       loaded.tokenizer, stop_ids(loaded.origin), request.batch, max_length)
     lm = JaxparLM(model, progress)
     lm.check(tasks)
@@ -72,7 +72,7 @@ def evaluate_source(source: str, request: Request, settings: list[str] = (), pro
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
     return {"tasks": task_metrics(results), "requests": lm.requests, "seconds": seconds,
-            "requests_per_s": lm.requests / seconds, "layout": trainer.session.mesh_name(), "out": str(out)}
+            "requests_per_s": lm.requests / seconds, "layout": laid_out.session.mesh_name(), "out": str(out)}
 
 
 def run_command(args) -> int:

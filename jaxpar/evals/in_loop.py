@@ -17,8 +17,8 @@ import time
 import jax
 
 from jaxpar.evals import task_names, tasks_due
+from jaxpar.laid_out.model import LaidOutModel
 from jaxpar.session import Session
-from jaxpar.train.trainer import Trainer
 
 MIN_ROWS = 8
 
@@ -27,10 +27,10 @@ class TaskEvals:
     """due(step): whether step `step` runs the tasks; run(params) -> ({'eval/<task>/<metric>': value}, seconds
     the tasks took once the step had finished)."""
 
-    def __init__(self, session: Session, trainer: Trainer):
-        self.trainer, self.train = trainer, session.cfg.train
+    def __init__(self, session: Session, model: LaidOutModel):
+        self.model, self.train = model, session.cfg.train
         if task_names(self.train.eval_tasks):
-            self.tasks, self.lm = _open(session, trainer)
+            self.tasks, self.lm = _open(session, model)
 
     def due(self, step: int) -> bool:
         return tasks_due(step, self.train)
@@ -41,7 +41,7 @@ class TaskEvals:
 
         jax.block_until_ready(params)  # the step's own time stays the step's
         started = time.perf_counter()
-        weights = self.trainer.to_model_order(self._weights(params))
+        weights = self.model.to_model_order(self._weights(params))
         self.lm.model = dataclasses.replace(self.lm.model, params=weights)
         # no bootstrapped standard errors: the metrics row keeps the metrics alone
         results = evaluate(self.lm, self.tasks, self.train.eval_tasks_limit or None, quiet=True, bootstrap_iters=0)
@@ -51,17 +51,17 @@ class TaskEvals:
 
     @functools.cached_property
     def _weights(self):
-        return jax.jit(self.trainer.weights)
+        return jax.jit(self.model.weights)
 
 
-def _open(session: Session, trainer: Trainer):
+def _open(session: Session, model: LaidOutModel):
     """(the tasks, their datasets read; the lm-eval model, its weights set before each run)."""
     from jaxpar.evals.harness import EvalModel, JaxparLM
     from jaxpar.evals.tasks import load_tasks, parse_tasks
 
     tasks = load_tasks(parse_tasks(session.cfg.train.eval_tasks), progress=False)
     rows = session.mesh_sizes["data"] * session.mesh_sizes["expert"]
-    lm = JaxparLM(EvalModel.of_config(trainer.graphdef, None, session.cfg, session.precision, trainer.layout,
+    lm = JaxparLM(EvalModel.of_config(model.graphdef, None, session.cfg, session.precision, model.layout,
                                       rows * math.ceil(MIN_ROWS / rows)))
     lm.check(tasks)
     return tasks, lm

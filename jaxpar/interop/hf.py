@@ -27,12 +27,12 @@ from jaxpar.interop.hf_weights import load_params, open_checkpoint, save_params
 from jaxpar.interop.peft import CONFIG as ADAPTER_CONFIG
 from jaxpar.interop.peft import MODULES as PEFT_MODULES
 from jaxpar.interop.peft import check_exportable, read_adapter, write_adapter
+from jaxpar.laid_out.saved_run import SavedRun
 from jaxpar.model.adapters import Frozen, freeze_state, merged_weights
 from jaxpar.model.axes import is_variable, path_names
 from jaxpar.model.transformer import Transformer
 from jaxpar.parallel.layout import Layout
 from jaxpar.runtime.devices import make_mesh
-from jaxpar.train.saved_run import SavedRun
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}

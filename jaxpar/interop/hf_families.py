@@ -12,7 +12,7 @@ from __future__ import annotations
 from numbers import Real
 from pathlib import Path
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.interop.hf_errors import CheckpointError
 from jaxpar.interop.hf_rope import latent_softmax_scale, model_latent_scale, rope_fields, rope_parameters, rope_settings
 from jaxpar.interop.hf_windows import window_fields, window_settings

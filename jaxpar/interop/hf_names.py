@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.interop.hf_tensor_map import TensorMap
 
 __all__ = ["TensorMap", "tensor_maps"]

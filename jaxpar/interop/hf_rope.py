@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.interop.hf_errors import CheckpointError
 
 JAXPAR_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}

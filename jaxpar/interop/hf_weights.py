@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.data.token_folder import COMPANION_FILES, EOD, TOKENIZER, added_token_id, tokenizer_vocab
 from jaxpar.interop.hf_config import CONFIG_FILE, CheckpointError, hf_config, read_config
 from jaxpar.interop.hf_names import TensorMap, tensor_maps

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.interop.hf_errors import CheckpointError
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.config import ModelConfig
 from jaxpar.config.adapters import LoRAConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.errors import UserError
 from jaxpar.interop.safetensors import SafetensorsFile, write_file
 

@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxpar.config.adapters import LORA_TARGETS, LoRAConfig
 from jaxpar.model import quantize
-from jaxpar.model.axes import constrain
+from jaxpar.model.axes import constrain, is_variable
 
 _BITS = {"float32": jnp.uint32, "bfloat16": jnp.uint16}
 _FLOAT_OF_BITS = {jnp.dtype(jnp.uint32): jnp.float32, jnp.dtype(jnp.uint16): jnp.bfloat16}
@@ -265,3 +265,14 @@ def zero_grad(param) -> jax.Array:
 
 def _trains(x) -> bool:
     return x.dtype != jax.dtypes.float0 and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def without_adapters(params):
+    """The parameters with every LoRA adapter's B zeroed: the base model (W + (alpha / r) A 0 = W), DPO's
+    reference."""
+    def zeroed(path, variable):
+        if isinstance(variable, nnx.LoRAParam) and path and getattr(path[-1], "key", None) == "b":
+            return variable.replace(jnp.zeros_like(variable.get_value()))
+        return variable
+
+    return jax.tree_util.tree_map_with_path(zeroed, params, is_leaf=is_variable)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.model.adapters import adapters, lora_output, with_lora
 from jaxpar.model.axes import (
     column_parallel,

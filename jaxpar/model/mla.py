@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.model.attention import attend
 from jaxpar.model.axes import column_parallel, constrain, fp32_einsum, param, row_parallel
 from jaxpar.model.layers import RMSNorm, rope_attention_factor, rope_frequencies, rotary

@@ -7,7 +7,7 @@ import math
 import jax
 from flax import nnx
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.model.adapters import adapters, lora_output, with_lora
 from jaxpar.model.axes import column_parallel, constrain, param, row_parallel
 

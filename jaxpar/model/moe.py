@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxpar.model.routers as routers
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.model.adapters import adapted, adapters
 from jaxpar.model.axes import (
     constrain,

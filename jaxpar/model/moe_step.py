@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpar.config import MoEConfig
+from jaxpar.config.moe import MoEConfig
 from jaxpar.model.routing_trace import RoutingTrace
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.model.axes import constrain, param
 from jaxpar.model.cross_entropy import token_cross_entropy
 from jaxpar.model.layers import RMSNorm

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.model.adapters import freeze
 from jaxpar.model.attention import Attention, KVCache
 from jaxpar.model.axes import column_parallel, constrain, param, vocab_lookup

@@ -1,5 +1,5 @@
 """The reward functions of rl.reward: what each sampled completion of a prompt scores (GRPO's advantages
-are these, normalised within the prompt's group, jaxpar.train.grpo.group_advantages).
+are these, normalised within the prompt's group, jaxpar.rl.grpo.group_advantages).
 
 A built-in (exact_match, regex, length) reads its settings from the rl section; `module:function` is a
 function of the user's, imported once and called per completion as fn(prompt, completion, **fields),

@@ -22,16 +22,17 @@ import numpy as np
 
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.data.token_folder import TextCodec
+from jaxpar.laid_out.forward import target_losses
+from jaxpar.laid_out.model import LaidOutModel
+from jaxpar.model.adapters import without_adapters
 from jaxpar.model.axes import layout_hooks
 from jaxpar.parallel.hooks import eval_hooks
+from jaxpar.rl.grpo import group_advantages
 from jaxpar.rl.prompts import PromptSet
 from jaxpar.rl.rewards import Reward, score_all
 from jaxpar.sampling.batched import BatchedGenerator, Shape
 from jaxpar.sampling.choice import Sampling
 from jaxpar.sampling.prompts import PROMPT_FIELD
-from jaxpar.train.grpo import group_advantages
-from jaxpar.train.preference import without_adapters
-from jaxpar.train.step import target_losses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +63,15 @@ def training_rows(prompts: list[list[int]], completions: list[list[int]], advant
 class Rollouts:
     """sample(rollout, params) -> Rollout: the rollout's prompts, completions, rewards and rows."""
 
-    def __init__(self, session, trainer, prompts: PromptSet, reward: Reward, codec: TextCodec,
+    def __init__(self, session, model: LaidOutModel, prompts: PromptSet, reward: Reward, codec: TextCodec,
                  stop_ids: frozenset[int]):
         cfg, rl = session.cfg, session.cfg.rl
         self.prompts, self.reward, self.codec, self.group = prompts, reward, codec, rl.group_size
         self.batch, self.width = cfg.train.batch_size, cfg.model.seq_len + 1
         sampling = Sampling(rl.temperature, rl.top_k, rl.top_p, cfg.train.seed)
         shape = Shape(self.batch, prompts.longest(), rl.max_new_tokens)
-        self.generator = BatchedGenerator(trainer.graphdef, cfg.model, session.precision, shape, sampling,
-                                          stop_ids, trainer.layout)
+        self.generator = BatchedGenerator(model.graphdef, cfg.model, session.precision, shape, sampling,
+                                          stop_ids, model.layout)
 
     def sample(self, rollout: int, params) -> Rollout:
         jax.block_until_ready(params)  # the step before it, which it waits for anyway, is not sampling's time
@@ -94,23 +95,23 @@ class Scoring:
     """batch(params, rows) -> the rows on the mesh with sampled_BL (the log-probabilities of `params`, the
     weights that sampled them) and, with rl.kl_beta > 0, reference_BL (the adapters off, or `reference`'s)."""
 
-    def __init__(self, trainer, reference=None):
-        cfg = trainer.cfg
-        self.trainer, self.reference = trainer, reference
+    def __init__(self, model: LaidOutModel, reference=None):
+        cfg = model.cfg
+        self.model, self.reference = model, reference
         self.kl = cfg.rl.kl_beta > 0
         self._scored = jax.jit(self._traced)
 
     def batch(self, params, rows: PackedRows) -> PackedRows:
-        return self._scored(params, self.reference, self.trainer.put_batch(rows))
+        return self._scored(params, self.reference, self.model.put_batch(rows))
 
     def _traced(self, params, reference, batch: PackedRows) -> PackedRows:
-        trainer = self.trainer
-        chunks, precision = trainer.cfg.train.loss_chunks, trainer.precision
+        model = self.model
+        chunks, precision = model.cfg.train.loss_chunks, model.precision
 
         def log_probs(weights):
-            return -target_losses(trainer.graphdef, weights, batch, precision, chunks)
+            return -target_losses(model.graphdef, weights, batch, precision, chunks)
 
-        with layout_hooks(eval_hooks(trainer.layout)):
+        with layout_hooks(eval_hooks(model.layout)):
             sampled_BL = log_probs(params)
             reference_BL = None
             if self.kl:

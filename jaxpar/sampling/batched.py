@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.errors import UserError
 from jaxpar.model.adapters import read_as

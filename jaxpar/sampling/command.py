@@ -69,9 +69,9 @@ def generate(source: str, prompt: str, tokens: int, temperature: float = 0.0, se
 
     from jaxpar.data.token_folder import TextCodec, tokenizer_folder
     from jaxpar.interop import hf
+    from jaxpar.laid_out.saved_run import SavedRun
     from jaxpar.model.transformer import Transformer
     from jaxpar.sampling.single import generate_ids
-    from jaxpar.train.saved_run import SavedRun
 
     _check_numbers(tokens, temperature)
     folder = Path(source)

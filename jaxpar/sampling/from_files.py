@@ -41,13 +41,13 @@ def generate_file(source: str, request: Request, settings: list[str] = (), progr
     if request.tokens < 1:
         raise UserError(f"--tokens must be at least 1, got {request.tokens}.")
     loaded = load_model(source, request.step, list(settings), request.batch, "generation", progress)
-    trainer, params, origin = loaded.trainer, loaded.params, loaded.origin
-    cfg, session = trainer.cfg, trainer.session
+    model, params, origin = loaded.model, loaded.params, loaded.origin
+    cfg, session = model.cfg, model.session
     codec = TextCodec(loaded.tokenizer)
     prompts = [codec.encode(r[PROMPT_FIELD]) for r in records]
     shape = Shape(request.batch, max(len(p) for p in prompts), request.tokens)
-    generator = BatchedGenerator(trainer.graphdef, cfg.model, session.precision, shape, request.sampling,
-                                 stop_ids(origin), trainer.layout)
+    generator = BatchedGenerator(model.graphdef, cfg.model, session.precision, shape, request.sampling,
+                                 stop_ids(origin), model.layout)
     out, start, new = [], time.perf_counter(), 0
     with tqdm(total=len(records), unit="prompt", disable=not progress, desc="generate") as bar:
         for first in range(0, len(records), request.batch):

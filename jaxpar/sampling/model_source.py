@@ -17,11 +17,11 @@ from jaxpar.config.rl import RLConfig
 from jaxpar.data.token_folder import TOKENIZER, tokenizer_folder
 from jaxpar.errors import UserError
 from jaxpar.interop.hf_weights import load_params
+from jaxpar.laid_out.model import LaidOutModel
+from jaxpar.laid_out.saved_run import SavedRun
 from jaxpar.runtime.devices import setup_devices
 from jaxpar.sampling.command import refuse_expert_choice
 from jaxpar.session import on_devices
-from jaxpar.train.saved_run import SavedRun
-from jaxpar.train.trainer import Trainer
 
 # What an override may choose: where the model runs, not what it is.
 LAYOUT_SECTIONS = ("mesh.", "parallel.", "run.devices", "train.precision")
@@ -29,11 +29,11 @@ LAYOUT_SECTIONS = ("mesh.", "parallel.", "run.devices", "train.precision")
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-    """A model on its layout: the trainer that laid it out, its weights (model order), the folder of its
+    """A model on its layout (no train step is built), its weights (model order), the folder of its
     tokenizer (None: bytes), the folder naming its end tokens (a Hugging Face checkpoint's, or None) and the
     run's checkpoint step (None for a Hugging Face folder)."""
 
-    trainer: Trainer
+    model: LaidOutModel
     params: nnx.State
     tokenizer: Path | None
     origin: Path | None
@@ -62,9 +62,9 @@ def load_model(source: str, step: int | None, settings: list[str], batch: int, w
     if batch % (sizes["data"] * sizes["expert"]):
         raise UserError(f"--batch {batch} must split evenly over the mesh's rows (mesh.data x mesh.expert "
                         f"= {sizes['data']} x {sizes['expert']}).")
-    trainer = Trainer(on_devices(cfg, devices))
+    model = LaidOutModel(on_devices(cfg, devices))
     folder = tokenizer_folder(cfg.data, str(tokenizer or ""))
-    return LoadedModel(trainer, _weights(trainer, saved, progress), folder, origin, None if saved is None else saved[1])
+    return LoadedModel(model, _weights(model, saved, progress), folder, origin, None if saved is None else saved[1])
 
 
 def _resolve(source: str, step: int | None, overrides: dict[str, str]):
@@ -99,14 +99,14 @@ def _for_batches(cfg: Config, batch: int, what: str) -> Config:
     return dataclasses.replace(cfg, train=train, rl=RLConfig())
 
 
-def _weights(trainer: Trainer, saved, progress: bool) -> nnx.State:
+def _weights(model: LaidOutModel, saved, progress: bool) -> nnx.State:
     """The weights on the layout's shardings: a run's checkpoint, or model.from_hf's files."""
     if saved is None:
-        return load_params(trainer.session.hf_checkpoint, trainer.cfg.model, trainer.param_shardings,
+        return load_params(model.session.hf_checkpoint, model.cfg.model, model.param_shardings,
                            progress=progress)[0]
     folder, step = saved
     run = SavedRun(folder)
     try:
-        return run.params(step, trainer.cfg, trainer.param_shardings)
+        return run.params(step, model.cfg, model.param_shardings)
     finally:
         run.close()

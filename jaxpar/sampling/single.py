@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.config import ModelConfig
+from jaxpar.config.model import ModelConfig
 from jaxpar.data.token_folder import TextCodec
 
 

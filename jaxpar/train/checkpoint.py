@@ -27,7 +27,6 @@ ends the run and leaves every checkpoint where it is.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import shutil
 from collections.abc import Callable
@@ -39,17 +38,15 @@ import orbax.checkpoint as ocp
 
 from jaxpar.config import flatten_dict
 from jaxpar.errors import RunFailed
+from jaxpar.laid_out.checkpoint_files import PARAMS, brief_error, flat_by_path, is_damage, nest_by_path
 from jaxpar.runtime import distributed
 from jaxpar.train.checkpoint_fit import (
     IN_FLIGHT,
-    PARAMS,
     STALE,
     CheckpointMismatch,
     check_compatible,
     drop_idle_flight,
-    flat_by_path,
     in_flight_fits,
-    nest_by_path,
     state_spec,
 )
 from jaxpar.train.loss_scale import LossScale
@@ -79,50 +76,6 @@ class Restored:
 
 def _unnest(tree: dict) -> dict[str, object]:
     return flatten_dict(tree, sep="/")
-
-
-def brief_error(error: BaseException) -> str:
-    """The root cause of a read error on one line, short enough for a one-sentence report."""
-    while error.__cause__ is not None:  # Orbax wraps TensorStore's precise message
-        error = error.__cause__
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
-
-
-# What Orbax 0.12.8 and TensorStore 0.1.86 raise for a damaged checkpoint, found by damaging one on purpose:
-# - a missing file (meta/metadata) or one that cannot be read (a folder in its place): OSError;
-# - a missing item folder (meta/ or state/): KeyError 'Item "state" was not found in the checkpoint ...';
-# - a truncated or garbled JSON file (meta/metadata, state/_METADATA): JSONDecodeError, UnicodeDecodeError;
-# - a missing, truncated or garbled array file (state/manifest.ocdbt, state/d/*, state/ocdbt.process_*/d/*):
-#   TensorStore's plain ValueError whose text starts with an absl status: NOT_FOUND, DATA_LOSS, OUT_OF_RANGE
-#   (a byte range past a cut-short file), or FAILED_PRECONDITION "Error reading ..." (a stream that does not
-#   decompress). Orbax raises it as is, or as the cause of its own plain Exception "Encountered error while
-#   reading array index". Other statuses (RESOURCE_EXHAUSTED, ...) and other ValueErrors are not damage.
-_DAMAGE_STATUSES = ("NOT_FOUND:", "DATA_LOSS:", "OUT_OF_RANGE:")
-
-
-def is_damage(error: BaseException | None) -> bool:
-    """Whether `error`, or an error it was raised from, says that a checkpoint file is missing, cut short or
-    garbled (rather than a bug, out of memory, a sharding error, ...)."""
-    while error is not None:
-        if _says_damage(error):
-            return True
-        error = error.__cause__
-    return False
-
-
-def _says_damage(error: BaseException) -> bool:
-    if isinstance(error, OSError):
-        return error.errno != errno.ENOMEM
-    if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
-        return True
-    text = str(error)
-    if type(error) is KeyError:
-        return "was not found in the checkpoint" in text
-    if type(error) is ValueError:
-        undecodable = text.startswith("FAILED_PRECONDITION:") and "Error reading" in text
-        return text.startswith(_DAMAGE_STATUSES) or undecodable
-    return False
 
 
 def _check_meta(meta) -> dict:

@@ -8,32 +8,14 @@ import jax
 
 from jaxpar.config import Config
 from jaxpar.errors import UserError
-from jaxpar.model.axes import path_names
+from jaxpar.laid_out.checkpoint_files import flat_by_path
 
 
 class CheckpointMismatch(UserError):
     """A checkpoint that cannot be restored into this config (another model shape, optimizer or seed)."""
 
 
-def flat_by_path(tree) -> dict[str, object]:
-    """{'params/blocks/attn/w_qkv/value': leaf, ...} for any pytree (TrainState, shardings, ...)."""
-    return {"/".join(path_names(path)): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def nest_by_path(flat: dict[str, object]) -> dict:
-    """Turn {'a/b/c': x} into {'a': {'b': {'c': x}}}, the plain dict tree Orbax saves."""
-    out: dict = {}
-    for key, leaf in flat.items():
-        *parents, last = key.split("/")
-        node = out
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[last] = leaf
-    return out
-
-
-STALE, PARAMS, IN_FLIGHT = "stale_params/", "params/", "in_flight/"
+STALE, IN_FLIGHT = "stale_params/", "in_flight/"
 
 
 def state_spec(state) -> dict[str, list]:

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.laid_out.checkpoint_files import flat_by_path
 from jaxpar.runtime import distributed
-from jaxpar.train.checkpoint import CheckpointMismatch, Restored, check_compatible, flat_by_path, state_spec
+from jaxpar.train.checkpoint import CheckpointMismatch, Restored, check_compatible, state_spec
 
 CHUNK_BYTES = 256 * 2 ** 20  # the copy passes to the peer in pieces of this size (device memory it needs at once)
 _HEADER = struct.Struct("<Q")  # the length of the JSON index that precedes the arrays' bytes

@@ -10,8 +10,9 @@ scalar metrics over the valid pairs (`pair_metrics`). Everything is fp32.
 In the train step (jaxpar.train.step): `weighted_pairs` weights each row from the whole batch, so that the
 plain means over the rows of microbatches and data-parallel shards average to the mean over the batch's
 valid pairs; DPO's reference log-probabilities come from the same model with every adapter's B zeroed
-(`without_adapters`), computed before the gradient and carried in the batch; `batch_objective` is then
-what the step reduces each target's cross-entropy to, where it takes the mean cross-entropy for sft.
+(jaxpar.model.adapters.without_adapters), computed before the gradient and carried in the batch;
+`batch_objective` is then what the step reduces each target's cross-entropy to, where it takes the
+mean cross-entropy for sft.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxpar.config.preference import PreferenceConfig
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.model.axes import is_variable
 
 # ORPO's largest mean log-probability: log(1 - exp(a)) is -inf at a = 0 (a response the model is certain
 # of, which fp32's log_softmax does give), and its gradient 1 / |a| unbounded near it.
@@ -200,14 +199,3 @@ def batch_objective(objective: str, cfg: PreferenceConfig, losses_BL: jax.Array,
     terms = {"loss": losses["loss"], **_pair_terms(losses, policy.valid)}
     stats = {name: jnp.mean(jnp.sum(value, axis=1) * batch.pair_weights_B) for name, value in terms.items()}
     return stats["loss"], stats
-
-
-def without_adapters(params):
-    """The parameters with every LoRA adapter's B zeroed: the base model (W + (alpha / r) A 0 = W), DPO's
-    reference."""
-    def zeroed(path, variable):
-        if isinstance(variable, nnx.LoRAParam) and path and getattr(path[-1], "key", None) == "b":
-            return variable.replace(jnp.zeros_like(variable.get_value()))
-        return variable
-
-    return jax.tree_util.tree_map_with_path(zeroed, params, is_leaf=is_variable)

@@ -1,10 +1,8 @@
-"""The pure training step `(state, batch) -> (state, metrics)` and the evaluation step.
-
-Every batch is a PackedRows (jaxpar.data.packed_rows): the tokens (B, T), inputs [:, :-1] and
-targets [:, 1:], with their documents, positions and loss mask when packed; a plain (B, T) token
-array given to a step is read as windows of one document each. What a mixture of experts adds to
-the step is jaxpar.model.moe_step's ExpertTerms. train.objective picks what each target's cross-entropy
-reduces to: its mean (sft), or a preference loss over the rows' pairs (jaxpar.train.preference).
+"""The pure training step `(state, batch) -> (state, metrics)`: the laid-out model's forward pass
+(jaxpar.laid_out.forward) turned into an objective, its gradients and the update. What a mixture of
+experts adds to the step is jaxpar.model.moe_step's ExpertTerms. train.objective picks what each
+target's cross-entropy reduces to: its mean (sft), a preference loss over the rows' pairs
+(jaxpar.train.preference), or GRPO's policy objective (jaxpar.rl.grpo).
 """
 
 from __future__ import annotations
@@ -21,145 +19,63 @@ from flax import nnx
 from jaxpar.config import Config
 from jaxpar.config.precision import PrecisionPolicy
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.model.adapters import read_as, trainable, with_frozen, zero_grad
+from jaxpar.laid_out.forward import (
+    RowInputs,
+    compute_model,
+    embedded,
+    head_losses,
+    in_device_order,
+    logits_losses,
+    mean_loss,
+    run_blocks,
+    target_losses,
+    whole_logits,
+)
+from jaxpar.model.adapters import trainable, with_frozen, without_adapters, zero_grad
 from jaxpar.model.axes import layout_hooks
-from jaxpar.model.cross_entropy import token_cross_entropy
 from jaxpar.model.moe_step import ExpertTerms
 from jaxpar.model.mtp import mtp_loss, mtp_weight
 from jaxpar.model.protocol import is_block_model
-from jaxpar.model.routing_trace import RoutingTrace
-from jaxpar.model.segments import Segments
-from jaxpar.parallel.context import device_order
 from jaxpar.parallel.gradients import gradients
 from jaxpar.parallel.hooks import eval_hooks
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.pipeline import StageFns
 from jaxpar.parallel.pipeline_plan import PipelinePlan
-from jaxpar.train import grpo
-from jaxpar.train.chunked_loss import chunked_token_losses
+from jaxpar.rl import grpo
 from jaxpar.train.loss_scale import all_finite, unless_skipped
 from jaxpar.train.offload import Placement, offloaded_update
 from jaxpar.train.optim import Optimizer
-from jaxpar.train.preference import batch_objective, weighted_pairs, without_adapters
+from jaxpar.train.preference import batch_objective, weighted_pairs
 from jaxpar.train.remat import layer_scan
 from jaxpar.train.state import TrainState
-
-
-def _model(graphdef: nnx.GraphDef, params: nnx.State, precision: PrecisionPolicy, hooks=None) -> nnx.Module:
-    """The model on `params` in the compute dtype (the layout's hooks expand sharded weights)."""
-    weights = precision.cast_to_compute(hooks.model_weights(params) if hooks else params)
-    return nnx.merge(graphdef, read_as(weights, precision.compute))  # frozen weights read in it too
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class RowInputs:
-    """What the layers take per row besides the residual stream: a routing-noise PRNG key per row
-    (noisy top-k; else None), the documents of packed rows (else None), and the routing trace when
-    the step traces routing token by token (verify; else None: jaxpar.model.routing_trace)."""
-
-    noise_B: jax.Array | None = None
-    segments: Segments | None = None
-    routing: RoutingTrace | None = None
-
-
-def _cross_entropy(logits_BLV: jax.Array, batch: PackedRows) -> jax.Array:
-    """The mean next-token cross-entropy in fp32: over every target of windows, over the counted
-    targets of packed rows (weighted by the step: PackedRows.weighted)."""
-    return _loss_stats(logits_BLV, batch)[0]
-
-
-def _mean_loss(losses_BL: jax.Array, batch: PackedRows) -> tuple[jax.Array, dict]:
-    """(the mean cross-entropy, {'loss': it, and for a mixture each source's share: PackedRows.by_source})."""
-    return batch.mean_loss(losses_BL)
 
 
 def _reduction(cfg: Config) -> Callable:
     """reduce(losses_BL, batch) -> (loss, stats): what each target's cross-entropy becomes under
     train.objective: the mean (sft), the preference loss over the rows' pairs, or GRPO's clipped policy
-    objective over the rows' completions (jaxpar.train.grpo), with their metrics."""
+    objective over the rows' completions (jaxpar.rl.grpo), with their metrics."""
     t = cfg.train
     if t.objective == "sft":
-        return _mean_loss
+        return mean_loss
     if t.objective == "grpo":
         return functools.partial(grpo.batch_objective, cfg.rl)
     return functools.partial(batch_objective, t.objective, t.preference)
 
 
-def _target_losses(logits_BLV: jax.Array, batch: PackedRows) -> jax.Array:
-    """Each target's next-token cross-entropy (B, L), in fp32."""
-    return token_cross_entropy(logits_BLV, batch.targets_BL)
-
-
-def _loss_stats(logits_BLV: jax.Array, batch: PackedRows, reduce: Callable = _mean_loss) -> tuple[jax.Array, dict]:
-    """reduce (_mean_loss: the mean cross-entropy; _reduction) of the logits' per-target cross-entropy."""
-    return reduce(_target_losses(logits_BLV, batch), batch)
-
-
-def _head_losses(model: nnx.Module, x_BLD: jax.Array, batch, chunks: int) -> jax.Array:
-    """Each target's cross-entropy from a block model's last hidden states, the logits computed `chunks`
-    strided chunks of the sequence at a time (train.loss_chunks; jaxpar.train.chunked_loss)."""
-    if chunks == 1:
-        return _target_losses(model.logits(x_BLD), batch)
-    return chunked_token_losses(model, x_BLD, batch.targets_BL, chunks)
+def _loss_stats(logits_BLV: jax.Array, batch: PackedRows, reduce: Callable = mean_loss) -> tuple[jax.Array, dict]:
+    """reduce (mean_loss: the mean cross-entropy; _reduction) of the logits' per-target cross-entropy."""
+    return reduce(logits_losses(logits_BLV, batch), batch)
 
 
 def _head_stats(model: nnx.Module, x_BLD: jax.Array, batch, chunks: int,
-                reduce: Callable = _mean_loss) -> tuple[jax.Array, dict]:
-    """reduce of _head_losses: the mean cross-entropy by default; with multi-token prediction
+                reduce: Callable = mean_loss) -> tuple[jax.Array, dict]:
+    """reduce of head_losses: the mean cross-entropy by default; with multi-token prediction
     (jaxpar.model.mtp) its weighted loss added, and reported as mtp_loss."""
-    loss, stats = reduce(_head_losses(model, x_BLD, batch, chunks), batch)
+    loss, stats = reduce(head_losses(model, x_BLD, batch, chunks), batch)
     if not getattr(model, "mtp", None):
         return loss, stats
     extra = mtp_loss(model, x_BLD, batch.tokens_BT)
     return loss + model.mtp_weight * extra, {**stats, "mtp_loss": extra}
-
-
-def _embedded(model: nnx.Module, batch: PackedRows) -> jax.Array:
-    """The model's embedding of a batch's inputs (a packed row's at its documents' positions)."""
-    return model.embed(batch.inputs_BL, *batch.input_positions())
-
-
-def _logits(model: nnx.Module, batch: PackedRows) -> jax.Array:
-    """A whole model's logits of a batch's inputs (packed rows: each document as if alone)."""
-    return model(batch.inputs_BL, *batch.documents())
-
-
-def _run_blocks(model: nnx.Module, x_BLD: jax.Array, scan, layer_ids, rows: RowInputs):
-    """model.run_blocks with the rows' noise, and their documents only for packed rows: a model of
-    your own that never trains packed rows need not take `segments` (jaxpar.model.protocol)."""
-    documents = {} if rows.segments is None else {"segments": rows.segments}
-    traced = {} if rows.routing is None else {"routing": rows.routing}
-    return model.run_blocks(x_BLD, scan, layer_ids, rows.noise_B, **documents, **traced)
-
-
-def in_device_order(batch: PackedRows, layout: Layout) -> PackedRows:
-    """Under balanced context parallelism, the rows with their inputs' positions, targets and
-    documents in the order the context devices hold them (jaxpar.parallel.context.device_order):
-    permuted once, here, and the mean loss is the same. Else the batch as it is."""
-    if layout.context == 1 or not layout.context_balance:
-        return batch
-    rows = batch.with_documents()
-    return rows.in_order(device_order(rows.tokens_BT.shape[1] - 1, layout.context, True))
-
-
-def target_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: PackedRows, precision: PrecisionPolicy,
-                  loss_chunks: int = 1) -> jax.Array:
-    """Each target's next-token cross-entropy (B, L) in fp32, in the targets' order (a block model's
-    logits `loss_chunks` chunks of the sequence at a time: train.loss_chunks)."""
-    model = _model(graphdef, params, precision)
-    if loss_chunks == 1 or not is_block_model(model):
-        return _target_losses(_logits(model, batch), batch)
-    x_BLD, _ = _run_blocks(model, _embedded(model, batch), None, None, RowInputs(None, batch.segments()))
-    return _head_losses(model, x_BLD, batch, loss_chunks)
-
-
-def token_loss(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT, precision: PrecisionPolicy,
-               loss_chunks: int = 1) -> jax.Array:
-    """Mean next-token cross-entropy over the batch (a token array or packed rows), computed in fp32
-    (a block model's logits `loss_chunks` chunks of the sequence at a time: train.loss_chunks)."""
-    batch = PackedRows.of(tokens_BT).weighted()
-    return _mean_loss(target_losses(graphdef, params, batch, precision, loss_chunks), batch)[0]
 
 
 def objective(model: nnx.Module, batch: PackedRows, rows: RowInputs, cfg: Config, experts: ExpertTerms,
@@ -173,8 +89,8 @@ def objective(model: nnx.Module, batch: PackedRows, rows: RowInputs, cfg: Config
     block protocol (jaxpar.model.protocol) is called whole.
     """
     if not is_block_model(model):
-        return _loss_stats(_logits(model, batch), batch, _reduction(cfg))
-    x_BLD, routing = _run_blocks(model, _embedded(model, batch), scan, None, rows)
+        return _loss_stats(whole_logits(model, batch), batch, _reduction(cfg))
+    x_BLD, routing = run_blocks(model, embedded(model, batch), scan, None, rows)
     loss, stats = _head_stats(model, x_BLD, batch, cfg.train.loss_chunks, _reduction(cfg))
     if not routing:
         return loss, stats
@@ -187,11 +103,11 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPo
     """The model cut into embedding, a chunk of layers and head+loss, for the pipeline executors."""
     t = cfg.train
     scan = layer_scan(t.remat, hooks, t.offloads_activations)
-    model = lambda p: _model(graphdef, p, precision, hooks)  # noqa: E731
+    model = lambda p: compute_model(graphdef, p, precision, hooks)  # noqa: E731
     reduce = _reduction(cfg)
 
     def layers(p, x_bLD, layer_ids, rows_b: RowInputs):
-        x_bLD, routing = _run_blocks(model(p), x_bLD, scan, layer_ids, rows_b)
+        x_bLD, routing = run_blocks(model(p), x_bLD, scan, layer_ids, rows_b)
         aux, sums = experts.objective_terms(routing)
         return (x_bLD, aux * scale), sums
 
@@ -202,7 +118,7 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPo
 
     return StageFns(
         cast=precision.cast_to_compute,
-        embed=lambda p, tokens_bT: _embedded(model(p), tokens_bT),
+        embed=lambda p, tokens_bT: embedded(model(p), tokens_bT),
         layers=layers,
         head_loss=head_loss,
     )
@@ -251,7 +167,7 @@ def _gradient_fn(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: 
 
         def scaled_objective(p, micro):
             batch, rows = micro
-            value, stats = objective(_model(graphdef, p, precision, hooks), batch, rows, cfg, experts, scan)
+            value, stats = objective(compute_model(graphdef, p, precision, hooks), batch, rows, cfg, experts, scan)
             return value * scale, stats
 
         return accumulated_grads(scaled_objective, params, batch, t.grad_accum, layout)
@@ -344,15 +260,3 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         return TrainState(state.step + 1, params, opt_state, loss_scale, stale), metrics
 
     return train_step
-
-
-def make_eval_step(graphdef: nnx.GraphDef, precision: PrecisionPolicy, layout: Layout, pipeline: PipelinePlan,
-                   loss_chunks: int = 1):
-    """Build `(params, batch) -> loss` for validation (traced outside shard_map, layers in model order)."""
-
-    def eval_step(params, tokens_BT):
-        with layout_hooks(eval_hooks(layout)):
-            return token_loss(graphdef, pipeline.to_model_order(params),
-                              in_device_order(PackedRows.of(tokens_BT), layout), precision, loss_chunks)
-
-    return eval_step

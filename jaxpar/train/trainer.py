@@ -1,11 +1,10 @@
-"""One layout, ready to run: what the training state holds and where each part lives, the jitted
-steps, and the state and batches placed on the mesh.
+"""A laid-out model ready to train: what the training state holds and where each part lives, the
+jitted steps, and the state and batches placed on the mesh.
 
 The state is never materialized unsharded: its shapes come from `eval_shape`, its shardings from
-the layout (rules table + ZeRO stage), and it is created under `jit(out_shardings=...)`. Stacked
-layers are stored in the pipeline plan's order; `to_model_order` is what checkpoints, evaluation
-and verification see. A training strategy (synchronous, or local SGD) transforms the plan: where
-the state lives, its specs, how it starts, and the step.
+the layout (jaxpar.laid_out.model), and it is created under `jit(out_shardings=...)`. A training
+strategy (synchronous, or local SGD) transforms the plan: where the state lives, its specs, how it
+starts, and the step.
 """
 
 from __future__ import annotations
@@ -18,85 +17,53 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 import jaxpar.train.local_sgd as local_sgd
-from jaxpar.config import Config, ConfigError
 from jaxpar.data.packed_rows import PackedRows
-from jaxpar.features import layout_rules
-from jaxpar.interop.hf_weights import load_params
-from jaxpar.interop.peft import read_adapter
-from jaxpar.model.adapters import Frozen, freeze_state, trainable
-from jaxpar.model.axes import is_variable, path_names
-from jaxpar.model.protocol import is_block_model
-from jaxpar.model.transformer import Transformer
+from jaxpar.laid_out.forward import make_eval_step
+from jaxpar.laid_out.model import LaidOutModel
+from jaxpar.model.adapters import trainable
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.pipeline_plan import PipelinePlan
-from jaxpar.parallel.rules import RULES
 from jaxpar.session import Session
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.optim import Optimizer
-from jaxpar.train.saved_run import read_run_weights
 from jaxpar.train.state import TrainState
-from jaxpar.train.step import make_eval_step, make_train_step
+from jaxpar.train.step import make_train_step
 from jaxpar.train.two_bw_step import in_flight_specs, make_two_bw_step
 
 
-class Trainer:
-    """A session's training state, where it lives, and its jitted steps: `init()` and `step(state,
-    batch)`, `eval_loss(params, batch)`, and placing states and batches on the mesh. `model` (a builder
-    from nnx.Rngs; None: jaxpar's Transformer) and `rules` (its own logical names) are kept as given,
-    for a reference trainer of the same model on another config. trace_routing: the step's metrics also
-    hold each token's routing decisions, and the step takes decisions to replay as a third argument
-    (verify; jaxpar.train.step.make_train_step); trace_gradients: they hold the step's gradients (verify;
-    a synchronous strategy only: local SGD's metrics are its replicas' means).
+class Trainer(LaidOutModel):
+    """A laid-out model (jaxpar.laid_out.model) ready to train: its training state, where it lives, and its
+    jitted steps: `init()` and `step(state, batch)`, `eval_loss(params, batch)`, and placing states and
+    batches on the mesh. trace_routing: the step's metrics also hold each token's routing decisions, and
+    the step takes decisions to replay as a third argument (verify; jaxpar.train.step.make_train_step);
+    trace_gradients: they hold the step's gradients (verify; a synchronous strategy only: local SGD's
+    metrics are its replicas' means).
 
-    layout: where the synchronous state lives (evaluation, samples and imported weights use it);
-    state_layout: where the training state lives (the strategy's); param_shardings: the parameters
-    on `layout`, in model order."""
+    state_layout: where the training state lives (the strategy's)."""
 
     def __init__(self, session: Session, model: Callable[[nnx.Rngs], nnx.Module] | None = None,
                  rules: Mapping | None = None, trace_routing: bool = False, trace_gradients: bool = False):
-        self.session, self.model, self.rules, self.trace_routing = session, model, rules, trace_routing
-        self.trace_gradients = trace_gradients
-        self.cfg, self.mesh, self.precision = session.cfg, session.mesh, session.precision
-        self._lay_out()
+        super().__init__(session, model, rules)
+        self.trace_routing, self.trace_gradients = trace_routing, trace_gradients
+        self._lay_out_state()
         self.step, self.eval_loss = self._compile_steps()
 
-    def _lay_out(self) -> None:
-        """The model, its layout and the state's shardings, for jaxpar's Transformer or for `model` (a
-        builder from nnx.Rngs) whose own logical names `rules` maps to mesh axes."""
-        session, model, cfg, mesh = self.session, self.model, self.cfg, self.mesh
-        if model is not None and cfg.model.from_hf:
-            raise ConfigError("model.from_hf loads a checkpoint into jaxpar's Transformer; a module of your own "
-                              "(model=...) cannot take it.")
-        build_model = model or (lambda rngs: Transformer(cfg.model, rngs=rngs))
-        abstract_model = nnx.eval_shape(lambda: build_model(_rngs(cfg)))
-        block_model = is_block_model(abstract_model)
-        check_model_fits(block_model, type(abstract_model).__name__, cfg, session.mesh_sizes)
-        graphdef, abstract_params = nnx.split(abstract_model)
-        stacked_at = abstract_model.STACKED_AT if block_model else ()
-        rules = {**layout_rules(RULES, cfg, session.mesh_sizes), **(self.rules or {})}
-
-        def relayout(rules: dict) -> Layout:
-            return Layout.build(mesh, abstract_params, stacked_at, cfg.parallel, self.precision, rules)
-
-        layout = relayout(rules)
-        strategy = local_sgd.strategy(cfg, session.mesh_sizes)
-        state_layout = strategy.state_layout(layout, relayout)
-        pipeline = PipelinePlan.build(cfg.parallel.pipeline, layout.sizes["stage"],
-                                      abstract_model.stacked_layers() if stacked_at else 0)
-        optimizer = Optimizer.build(cfg.train, trainable(abstract_params))
-        specs = strategy.specs(_state_specs(state_layout, abstract_params, optimizer, pipeline))
+    def _lay_out_state(self) -> None:
+        """The training state's layout and shardings, as the strategy (synchronous, local SGD) keeps it."""
+        cfg, layout = self.cfg, self.layout
+        strategy = local_sgd.strategy(cfg, self.session.mesh_sizes)
+        state_layout = strategy.state_layout(layout, self.relayout)
+        optimizer = Optimizer.build(cfg.train, trainable(self.abstract_params))
+        specs = strategy.specs(_state_specs(state_layout, self.abstract_params, optimizer, self.pipeline))
         opt_memory = "pinned_host" if cfg.train.offloads_optimizer else None
         state_shardings = dataclasses.replace(layout.named(specs), opt_state=layout.named(specs.opt_state, opt_memory))
-        self.build_model, self.graphdef, self.abstract_params = build_model, graphdef, abstract_params
-        self.layout, self.state_layout, self.pipeline, self.optimizer = layout, state_layout, pipeline, optimizer
-        self.strategy, self.state_shardings = strategy, state_shardings
-        self.param_shardings = layout.named(layout.param_specs(abstract_params))
-        self.batch_sharding, self.replicated = layout.batch_sharding(), NamedSharding(mesh, PartitionSpec())
+        self.state_layout, self.optimizer, self.strategy = state_layout, optimizer, strategy
+        self.state_shardings = state_shardings
         self.in_flight_shapes = None
-        if pipeline.carries:  # 2BW: what a step leaves in flight is part of the state, its shapes traced once
+        if self.pipeline.carries:  # 2BW: what a step leaves in flight is part of the state, its shapes traced once
             self.in_flight_shapes = jax.eval_shape(self._two_bw_step(), self.abstract_state(), self.abstract_batch(),
                                                    True)[0].in_flight
             self.state_shardings = dataclasses.replace(
@@ -163,53 +130,13 @@ class Trainer:
                 lambda a: jnp.zeros(a.shape, a.dtype), self.in_flight_shapes))
         return self.strategy.initial(state)
 
-    def fresh_params(self) -> nnx.State:
-        """Newly initialized parameters (traced, under the state's shardings)."""
-        return nnx.state(self.build_model(_rngs(self.cfg)))
-
     def init(self) -> TrainState:
         """Create the initial state directly in its sharded layout: from model.from_hf's or model.from_run's
-        weights (each device reading its own slices), else freshly initialized."""
-        if self._starts_fresh:
-            if self.cfg.model.lora.from_peft:
-                raise ConfigError("model.lora.from_peft puts an adapter on the checkpoint it was made for; "
-                                  "give that checkpoint as model.from_hf.")
+        weights (each device reading its own slices; model.lora's adapters on them), else freshly
+        initialized in one program."""
+        if self.starts_fresh and not self.cfg.model.lora.from_peft:
             return self._create_fresh()
-        if not self.cfg.model.lora.enabled:
-            return self._create_from(self._read_weights(self.param_shardings))
-        # adapters on a checkpoint: its weights frozen (stored as model.lora.base_dtype), the adapters fresh
-        frozen, adapter_shardings = nnx.split_state(self.param_shardings, Frozen, nnx.LoRAParam)
-        base = jax.jit(freeze_state, out_shardings=frozen)(self._read_weights(frozen))
-        return self._create_from(nnx.merge_state(base, self._first_adapters(adapter_shardings)))
-
-    @property
-    def _starts_fresh(self) -> bool:
-        """Whether the run starts from newly initialized weights (neither model.from_hf nor model.from_run)."""
-        return self.session.hf_checkpoint is None and not self.cfg.model.from_run
-
-    def _read_weights(self, shardings) -> nnx.State:
-        """The starting weights (no adapters) onto `shardings`: model.from_hf's files or model.from_run's
-        newest checkpoint."""
-        if self.session.hf_checkpoint is not None:
-            return load_params(self.session.hf_checkpoint, self.cfg.model, shardings)[0]
-        return read_run_weights(self.cfg.model.from_run, self.cfg, shardings)
-
-    def start_params(self) -> nnx.State:
-        """The weights the run started from, again (model order, on the parameters' shardings): a GRPO
-        run's frozen reference policy."""
-        if self._starts_fresh:
-            return jax.jit(self.fresh_params, out_shardings=self.param_shardings)()
-        return self._read_weights(self.param_shardings)
-
-    def _first_adapters(self, shardings):
-        """The adapters a run starts from: model.lora.from_peft's, else fresh (A drawn, B zero)."""
-        if self.cfg.model.lora.from_peft:
-            values = read_adapter(self.cfg.model.lora.from_peft, self.cfg.model)
-            return jax.tree_util.tree_map_with_path(
-                lambda p, v: v.replace(jax.device_put(values[path_names(p)], v.get_value())), shardings,
-                is_leaf=is_variable)
-        return jax.jit(lambda: nnx.split_state(self.fresh_params(), Frozen, nnx.LoRAParam)[1],
-                       out_shardings=shardings)()
+        return self._create_from(self.start_params())
 
     def abstract_state(self) -> TrainState:
         """The shapes, dtypes and shardings of the state `init` creates, without creating it."""
@@ -225,22 +152,9 @@ class Trainer:
                        out_shardings=self.state_shardings)
 
     def weights(self, params):
-        """The one set of weights a model runs with (evaluation, samples): the stored parameters, or
-        the strategy's view of them (local SGD: the replicas' mean)."""
+        """The one set of weights the model runs with (evaluation, samples): the strategy's view of the
+        stored parameters (local SGD: the replicas' mean)."""
         return self.strategy.weights(params)
-
-    def to_model_order(self, tree):
-        """Stacked leaves (in params or optimizer state) as the model orders its layers."""
-        return self.pipeline.to_model_order(tree)
-
-    def from_model_order(self, tree):
-        """Stacked leaves from the model's layer order to the order this layout stores them in."""
-        return self.pipeline.from_model_order(tree)
-
-    def put_batch(self, tokens_BT):
-        """Place a host batch (the whole batch, on every process: a token array or packed rows) onto the
-        mesh with the batch sharding."""
-        return jax.device_put(tokens_BT, self.batch_sharding)
 
     def put_windows(self, sampler, starts_B: np.ndarray):
         """Build the global batch of windows (or packed rows) at `starts_B` from this process's rows only.
@@ -316,28 +230,6 @@ class WindowStep:
         if self.last_batch is None:
             raise ValueError("drain() follows a step: its program takes the last step's batch for its shape")
         return self.window(state, self.last_batch, False)
-
-
-def _rngs(cfg: Config) -> nnx.Rngs:
-    """The model's random streams: the weights' from train.seed, and the adapters' (model.lora) apart,
-    so that the base weights are the same with adapters or without."""
-    return nnx.Rngs(cfg.train.seed, lora=cfg.train.seed + 1)
-
-
-def check_model_fits(block_model: bool, model_name: str, cfg: Config, sizes: dict[str, int]) -> None:
-    """What a model without the block protocol (jaxpar.model.protocol: embed, run_blocks and logits
-    around stacked layers) cannot do: anything that needs its layers one by one, or its logits from
-    its last hidden states (train.loss_chunks)."""
-    if block_model:
-        return
-    per_layer = {"mesh.stage > 1": sizes["stage"] > 1, f"train.remat={cfg.train.remat}": cfg.train.remat != "none",
-                 f"train.offload={cfg.train.offload}": cfg.train.offloads_activations,
-                 f"train.loss_chunks={cfg.train.loss_chunks}": cfg.train.loss_chunks != 1}
-    asked = [key for key, on in per_layer.items() if on]
-    if asked:
-        raise ConfigError(f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''} the model's layers one by one "
-                          f"and its logits apart, but {model_name} does not implement jaxpar's block protocol "
-                          f"(STACKED_AT, embed, run_blocks, logits, stacked_layers: jaxpar.model.protocol).")
 
 
 def _state_specs(layout: Layout, abstract_params, optimizer: Optimizer, pipeline: PipelinePlan) -> TrainState:
