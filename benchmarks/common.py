@@ -80,16 +80,16 @@ def run_line(devices: list, cfg, warmup: int, steps: int) -> str:
 
 
 def machine_record(devices: list, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict:
-    """jaxpar.plan.machine's record of the machine: processor, native bf16, and a 2048^3 matmul's rate in
+    """jaxpar.runtime.machine's record of the machine: processor, native bf16, and a 2048^3 matmul's rate in
     each of `dtypes`, measured now (a few seconds on a CPU). Every timing table carries it."""
-    from jaxpar.plan import machine
+    from jaxpar.runtime import machine
 
     return machine.describe(devices, dtypes)
 
 
 def machine_line(record: dict) -> str:
     """'machine: AMD EPYC, 2 cores, no native bf16; 2048^3 matmul: fp32 95 GFLOP/s, bf16 16 GFLOP/s'."""
-    from jaxpar.plan import machine
+    from jaxpar.runtime import machine
 
     return f"machine: {machine.line(record)}"
 

@@ -134,7 +134,7 @@ def main() -> None:
         print(json.dumps(measure(args.one, args.target)))
         return
     from jaxpar.plan.gpu_target import TARGETS
-    from jaxpar.plan.machine import processor
+    from jaxpar.runtime.machine import processor
 
     names = [n for n in LAYOUTS if not args.only or any(word in n for word in args.only)]
     results = []

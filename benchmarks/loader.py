@@ -83,8 +83,8 @@ class StepBatch:
         with _BUILDING:
             if key not in _SAMPLERS:
                 from jaxpar.config.presets import load_config
+                from jaxpar.config.sources import parse_mixture
                 from jaxpar.data.mixture import mixture_samplers
-                from jaxpar.data.sources import parse_mixture
 
                 mixture = ",".join(f"{Path(self.root, name)}:{w}" for name, w in WEIGHTS.items())
                 cfg = load_config(None, [f"data.mixture={mixture}", "data.packing=pack", f"model.vocab_size={VOCAB}",

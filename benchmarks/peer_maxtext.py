@@ -24,7 +24,7 @@ iterations, which wait on the previous step's metrics; MaxText compiles before s
 steps 0 and 1 are dispatch only, hence --skip of at least 2). The table reports, per layout,
 the median over rounds of those per-round medians and their ratio, and each side's MFU: the model
 FLOPs per token (jaxpar.train.model_flops, the same for both sides) x tokens/s over the machine's
-2048^3 matmul rate in that dtype, measured at the start by jaxpar's interpreter (jaxpar.plan.machine,
+2048^3 matmul rate in that dtype, measured at the start by jaxpar's interpreter (jaxpar.runtime.machine,
 whose line heads the table, with the processor and whether it has native bf16). With two
 precisions a second table gives each side's bf16 / fp32 ratio. A bar chart goes to --out and
 one JSON line with everything ends the output.

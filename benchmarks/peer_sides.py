@@ -210,10 +210,10 @@ def jaxpar_command(python: str, layout: Layout, steps: int, run_dir: Path, preci
 
 
 def jaxpar_facts(python: str, layout: Layout) -> tuple[dict, float]:
-    """(the machine's record, jaxpar.plan.machine: its processor, native bf16 and matmul rates, measured now;
+    """(the machine's record, jaxpar.runtime.machine: its processor, native bf16 and matmul rates, measured now;
     the model FLOPs per token of the shape, jaxpar.train.model_flops), from jaxpar's interpreter."""
     facts = []
-    for module, args in (("jaxpar.plan.machine", []), ("jaxpar.train.model_flops",
+    for module, args in (("jaxpar.runtime.machine", []), ("jaxpar.train.model_flops",
                                                   [f"{k}={v}" for k, v in jaxpar_model(layout).items()])):
         done = subprocess.run([python, "-m", module, *args], capture_output=True, text=True, env=_env(), cwd=REPO,
                               timeout=600)

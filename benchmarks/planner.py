@@ -11,7 +11,7 @@ layouts that fit (default K=5). Every layout runs W untimed warm-up steps (compi
 included), then R rounds go over all of them in turn (forwards, then backwards), N timed steps
 each, so that the machine's drift touches every layout alike; a layout's measured time is the median of its R x N steps.
 Reported: the Spearman rank correlation of predicted and measured times, a markdown table under
-the machine's line (the cpu profile's record, jaxpar.plan.machine: processor, native bf16, matmul rates),
+the machine's line (the cpu profile's record, jaxpar.runtime.machine: processor, native bf16, matmul rates),
 the figure results/planner.png (predicted against measured, log-log), and a JSON line.
 """
 

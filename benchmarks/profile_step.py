@@ -15,7 +15,7 @@ per step and per device (thread time divided by steps x devices):
   * the top K ops with their opcode and output shape.
 Thread time on emulated devices is CPU time shared by all devices, so compare shares, not
 absolute milliseconds, and only from runs on an otherwise idle machine. The machine's line
-(jaxpar.plan.machine: processor, native bf16, matmul rates) heads the tables; the last line is JSON.
+(jaxpar.runtime.machine: processor, native bf16, matmul rates) heads the tables; the last line is JSON.
 benchmarks/fp32_ops.py gives the same step's ops by dtype from the compiled program alone.
 """
 

@@ -15,7 +15,7 @@ median, and model FLOPs utilization, as a markdown table under the machine's lin
 last line, as JSON. MFU is jaxpar.train.model_flops: 6 x the active parameters a token multiplies
 by (for a mixture of experts, the router and the top-k experts a token uses, not all E) +
 attention FLOPs per token, against the peak in the compute dtype (the precision policy's): on a
-CPU the machine's measured 2048^3 matmul rate (jaxpar.plan.machine, measured at the start; every
+CPU the machine's measured 2048^3 matmul rate (jaxpar.runtime.machine, measured at the start; every
 emulated device shares it), on a GPU its datasheet peak x the devices (bf16/fp16 tensor cores,
 TF32 for fp32; --peak-tflops overrides the per-device peak).
 """
@@ -40,7 +40,7 @@ from common import (
 )
 
 from jaxpar.config import ConfigError
-from jaxpar.config.validation import validate
+from jaxpar.features.validation import validate
 from jaxpar.runtime.devices import setup_devices
 
 # jax must not start before setup_devices has set XLA_FLAGS (emulated CPU devices).

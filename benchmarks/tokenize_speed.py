@@ -106,7 +106,7 @@ def main() -> int:
     parser.add_argument("--tokenizer", help="a tokenizer.json or a folder holding one (default: train one)")
     parser.add_argument("--vocab-size", type=int, default=32768, help="of the trained tokenizer")
     args = parser.parse_args()
-    from jaxpar.plan import machine
+    from jaxpar.runtime import machine
 
     with tempfile.TemporaryDirectory(prefix="jaxpar-tokenize-bench-") as tmp:
         root = Path(tmp)

@@ -37,7 +37,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     started = time.time()  # the process's start, for goodput: device setup and restore are part of a (re)start
     cfg = _load(args.settings, {"run.elastic": True} if args.elastic else None)
     if cfg.run.elastic:  # the devices first, then the layout for them
-        from jaxpar.runtime.replan import prepare_elastic as prepare
+        from jaxpar.plan.replan import prepare_elastic as prepare
     else:
         from jaxpar.session import prepare
     session = prepare(cfg)
@@ -148,8 +148,8 @@ def _plan_search(args: argparse.Namespace) -> int:
     from jaxpar.config import precision
     from jaxpar.plan import search_report
     from jaxpar.plan.calibrate import profile
-    from jaxpar.plan.hardware import PROFILES, for_device_kind
     from jaxpar.plan.search import search
+    from jaxpar.runtime.hardware import PROFILES, for_device_kind
     from jaxpar.train.model_flops import flops_per_token
 
     name = args.hardware or args.target or ("cpu" if devices[0].platform == "cpu"
@@ -233,7 +233,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from jaxpar.evals import lm_eval_missing
+    from jaxpar.features.evals import lm_eval_missing
 
     if missing := lm_eval_missing("jaxpar eval"):
         raise UserError(missing)
@@ -335,7 +335,7 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_plan(sub) -> None:
     """`jaxpar plan` and its search."""
-    from jaxpar.plan.hardware import PROFILES
+    from jaxpar.runtime.hardware import PROFILES
 
     p = _add_command(sub, "plan", cmd_plan, "compile the step and report per-device memory, FLOPs and collectives; "
                                             "--search ranks every layout by predicted step time", reads_config=True)

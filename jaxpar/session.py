@@ -10,19 +10,19 @@ from pathlib import Path
 
 from jaxpar.config import Config, precision
 from jaxpar.config.from_run import resolve_run
+from jaxpar.config.hf_config import resolve as resolve_hf
 from jaxpar.config.precision import PrecisionPolicy
-from jaxpar.config.validation import validate
+from jaxpar.config.sources import parse_mixture
 from jaxpar.data.corpus import load_tokens, split_tokens
 from jaxpar.data.loader import BatchSampler
 from jaxpar.data.mixture import mixture_samplers
 from jaxpar.data.packing import packed_samplers
 from jaxpar.data.preference import check_preference_source
-from jaxpar.data.sources import parse_mixture
 from jaxpar.data.token_folder import TextCodec, has_loss_mask, tokenizer_folder
 from jaxpar.errors import DataError
 from jaxpar.features import layout_name, with_derived
 from jaxpar.features.model import check_attention_platform
-from jaxpar.interop.hf_config import resolve as resolve_hf
+from jaxpar.features.validation import validate
 from jaxpar.rl.prompts import PromptSet
 from jaxpar.rl.rewards import Reward, load_reward
 from jaxpar.runtime.devices import make_mesh, setup_devices

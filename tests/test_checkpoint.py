@@ -59,7 +59,7 @@ def test_the_final_save_is_made_once(overrides, saved):
 @pytest.mark.slow
 def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
     from jaxpar.config.presets import load_config
-    from jaxpar.laid_out.checkpoint_files import flat_by_path
+    from jaxpar.interop.checkpoint_files import flat_by_path
     from jaxpar.session import prepare
     from jaxpar.train.checkpoint import Checkpoints
     from jaxpar.train.trainer import Trainer
@@ -115,7 +115,7 @@ def test_restore_across_pipeline_layouts(tmp_path):
     import jax
 
     from jaxpar.config.presets import load_config
-    from jaxpar.laid_out.checkpoint_files import flat_by_path
+    from jaxpar.interop.checkpoint_files import flat_by_path
     from jaxpar.session import prepare
     from jaxpar.train.checkpoint import CheckpointMismatch, Checkpoints
     from jaxpar.train.trainer import Trainer

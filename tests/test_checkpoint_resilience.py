@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 from helpers import BASE, checkpoint_steps, copy_of, metrics, partial_saves, train_here
 
-from jaxpar.laid_out.checkpoint_files import is_damage
+from jaxpar.interop.checkpoint_files import is_damage
 from jaxpar.train.checkpoint import Checkpoints
 
 # The session's checkpoint runs (conftest.py) are made once, on one pytest-xdist worker

@@ -11,7 +11,7 @@ from helpers import SMALL_MODEL
 from jaxpar.config import Config
 from jaxpar.config.presets import load_config
 from jaxpar.features.training import automatic_loss_chunks
-from jaxpar.laid_out.checkpoint_files import flat_by_path
+from jaxpar.interop.checkpoint_files import flat_by_path
 from jaxpar.plan import measure_step
 from jaxpar.session import prepare
 from jaxpar.train.trainer import Trainer

@@ -8,7 +8,7 @@ import pytest
 from jaxpar.config import Config, ConfigError, MeshConfig, all_keys
 from jaxpar.config.mesh import resolve_mesh
 from jaxpar.config.presets import load_config
-from jaxpar.config.validation import validate
+from jaxpar.features.validation import validate
 
 
 def test_public_key_names_are_stable():

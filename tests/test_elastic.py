@@ -457,8 +457,8 @@ def test_an_elastic_start_keeps_the_configs_mesh_when_it_fits_and_else_takes_the
 
 
 def test_an_elastic_replan_searches_the_mesh_and_microbatches_with_the_recipe_held():
+    from jaxpar.plan.replan import held_settings
     from jaxpar.plan.search import enumerate_layouts
-    from jaxpar.runtime.replan import held_settings
 
     written = Config().replace(**{"model.n_layers": 4, "train.batch_size": 16, "mesh.data": 2, "mesh.tensor": 4,
                                   "parallel.zero": 3, "train.remat": "full"})

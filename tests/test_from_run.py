@@ -8,8 +8,8 @@ from helpers import train_here
 
 from jaxpar.cli import main
 from jaxpar.config.presets import load_config
-from jaxpar.laid_out.checkpoint_files import flat_by_path
-from jaxpar.laid_out.saved_run import SavedRun
+from jaxpar.interop.checkpoint_files import flat_by_path
+from jaxpar.interop.saved_run import SavedRun
 from jaxpar.model.adapters import Frozen
 from jaxpar.session import prepare
 from jaxpar.train.trainer import Trainer

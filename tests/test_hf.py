@@ -110,7 +110,7 @@ def test_a_broken_mapping_fails(monkeypatch):
     assert np.max(np.abs(np.asarray(model(jnp.asarray(tokens, jnp.int32))) - expected)) > 100 * LOGIT_TOLERANCE
     monkeypatch.undo()
 
-    from jaxpar.interop import hf_config
+    from jaxpar.config import hf_config
 
     settings = hf_config.model_settings
     monkeypatch.setattr(hf_config, "model_settings",
@@ -166,7 +166,7 @@ def test_train_export_and_import_again_gives_the_trained_weights(tmp_path):
     """qwen2 on data=2 x tensor=4 with its 300-row vocabulary padded to 304: 5 steps, export in fp32 (the
     padding dropped), import again: every parameter equals the checkpoint's, bit for bit."""
     from jaxpar.interop import hf
-    from jaxpar.laid_out.saved_run import SavedRun
+    from jaxpar.interop.saved_run import SavedRun
 
     run, out = tmp_path / "run", tmp_path / "hf"
     assert main(["train", f"model.from_hf={FIXTURES / 'qwen2'}", "mesh.data=2", "mesh.tensor=4",
@@ -323,7 +323,7 @@ def test_a_key_that_contradicts_the_checkpoint_is_refused(name, keys, words, cap
 def test_both_spellings_of_a_qwen3_moe_config_read_alike():
     """Published Qwen3-MoE files say num_experts and rope_theta; transformers 5 writes num_local_experts
     and rope_parameters."""
-    from jaxpar.interop.hf_config import model_settings, read_config
+    from jaxpar.config.hf_config import model_settings, read_config
 
     published = read_config(FIXTURES / "qwen3_moe")
     written = {k: v for k, v in published.items() if k not in ("num_experts", "rope_theta", "rope_scaling")}
@@ -348,7 +348,7 @@ def test_a_new_moe_config_reads_back_as_the_model(family, keys):
     """An MoE model of jaxpar's own exports with a new config.json of its family, which imports as the same
     model."""
     from jaxpar.config import Config, apply_overrides, flatten_dict
-    from jaxpar.interop.hf_config import hf_config, model_settings
+    from jaxpar.config.hf_config import hf_config, model_settings
 
     m = apply_overrides(Config(), {**MOE_MODEL, **keys}).model
     written = hf_config(m, "float32")
@@ -365,7 +365,7 @@ def test_a_new_moe_config_reads_back_as_the_model(family, keys):
                                          ({"model.moe.every": 2}, "model.moe.every > 1")])
 def test_export_refuses_experts_no_family_holds(keys, words):
     from jaxpar.config import Config, apply_overrides
-    from jaxpar.interop.hf_config import CheckpointError, family_of
+    from jaxpar.config.hf_config import CheckpointError, family_of
 
     with pytest.raises(CheckpointError, match="has no Hugging Face family") as error:
         family_of(apply_overrides(Config(), {**MOE_MODEL, **keys}).model)
@@ -449,7 +449,7 @@ PUBLISHED = {
 @pytest.mark.parametrize("preset", PUBLISHED)
 def test_presets_have_the_published_shapes(preset):
     from jaxpar.config import flatten_dict
-    from jaxpar.interop.hf_config import model_settings
+    from jaxpar.config.hf_config import model_settings
 
     flat = flatten_dict(load_config(f"configs/{preset}").to_dict())
     wanted = model_settings(PUBLISHED[preset], Path(preset))

@@ -72,8 +72,8 @@ def test_a_new_config_reads_back_as_the_model(name, tmp_path):
     published spelling, which reads back as the same model with the same tensors. (transformers 5.25 loads
     these three folders to logits within 8.6e-6 of the fixtures': make_fixtures.py check, run by hand.)"""
     from jaxpar.config import flatten_dict
+    from jaxpar.config.hf_config import model_settings
     from jaxpar.interop import hf
-    from jaxpar.interop.hf_config import model_settings
 
     model, cfg = hf.load(FIXTURES / name)
     own = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, from_hf=""))
@@ -99,7 +99,7 @@ def with_maps(monkeypatch, change) -> None:
 
 def with_settings(monkeypatch, **changes) -> None:
     """The config reader's model.* values with `changes` (dotted keys, '.' spelled '__')."""
-    from jaxpar.interop import hf_config
+    from jaxpar.config import hf_config
 
     settings = hf_config.model_settings
     changed = {k.replace("__", "."): v for k, v in changes.items()}
@@ -161,7 +161,7 @@ def small_window(folder: Path) -> None:
 
 
 def test_mistral_imports_its_window():
-    from jaxpar.interop.hf_config import config_for
+    from jaxpar.config.hf_config import config_for
 
     m = config_for(FIXTURES / "mistral").model
     assert (m.window, m.attention_pattern) == (4096, "")
@@ -184,7 +184,7 @@ def test_a_window_shorter_than_the_sequence_matches_transformers(tmp_path, monke
 
     window, windowed_error = error()
     assert window == 8 and windowed_error <= LOGIT_TOLERANCE
-    monkeypatch.setattr("jaxpar.interop.hf_config.window_settings", lambda hf_, where: {})
+    monkeypatch.setattr("jaxpar.config.hf_config.window_settings", lambda hf_, where: {})
     window, unwindowed_error = error()
     assert window == 0 and unwindowed_error > FAR
 
@@ -193,7 +193,7 @@ def test_a_window_shorter_than_the_sequence_matches_transformers(tmp_path, monke
 
 
 def settings(name: str, **changes) -> dict:
-    from jaxpar.interop.hf_config import model_settings, read_config
+    from jaxpar.config.hf_config import model_settings, read_config
 
     return model_settings({**read_config(FIXTURES / name), **changes}, Path("config.json"))
 
@@ -210,7 +210,7 @@ def test_gemma3_reads_both_spellings_alike_and_mirrors_transformers():
         "model.window": 8, "model.attention_pattern": "lllg", "model.rope_theta": 1000.0,
         "model.rope_scaling": "linear", "model.rope_factor": 4.0, "model.rope_local_theta": 100.0,
         "model.final_softcap": 30.0, "model.attn_softcap": 0.0, "model.attn_scale": 24 ** -0.5}
-    from jaxpar.interop.hf_config import read_config
+    from jaxpar.config.hf_config import read_config
 
     config = read_config(FIXTURES / "gemma3_text")
     for key in ("rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern"):
@@ -218,7 +218,7 @@ def test_gemma3_reads_both_spellings_alike_and_mirrors_transformers():
     config.update(_sliding_window_pattern=6, layer_types=["sliding_attention"] * 3 + ["full_attention"],
                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
-    from jaxpar.interop.hf_config import model_settings
+    from jaxpar.config.hf_config import model_settings
 
     assert model_settings(config, Path("config.json")) == published
 
@@ -236,7 +236,7 @@ def test_gpt_oss_and_deepseek_read_both_spellings_alike():
     """Published rope_theta beside rope_scaling (DeepSeek's with `type`) against transformers 5's one
     rope_parameters dict; DeepSeek's derived head_dim (= qk_rope_head_dim) is no head width."""
     for name, extra in (("gpt_oss", {}), ("deepseek_v3", {"head_dim": 4, "qk_head_dim": 12})):
-        from jaxpar.interop.hf_config import model_settings, read_config
+        from jaxpar.config.hf_config import model_settings, read_config
 
         config = read_config(FIXTURES / name)
         published = model_settings(config, Path("config.json"))
@@ -313,7 +313,7 @@ def test_bad_checkpoints_end_in_one_sentence(case, tmp_path, capsys):
 
 
 def model_of(name: str, **keys):
-    from jaxpar.interop.hf_config import config_for
+    from jaxpar.config.hf_config import config_for
 
     m = config_for(FIXTURES / name).model
     return dataclasses.replace(m, from_hf="", **keys)
@@ -329,7 +329,7 @@ def model_of(name: str, **keys):
     ("deepseek_v3", {"norm_eps": 1e-5}, "model.norm_eps=1e-05 (its latent norms' is 1e-06)"),
 ])
 def test_export_refuses_a_model_its_family_cannot_hold(name, keys, words):
-    from jaxpar.interop.hf_config import CheckpointError, family_of
+    from jaxpar.config.hf_config import CheckpointError, family_of
 
     with pytest.raises(CheckpointError, match="has no Hugging Face family") as error:
         family_of(model_of(name, **keys))
@@ -339,7 +339,7 @@ def test_export_refuses_a_model_its_family_cannot_hold(name, keys, words):
 def test_export_keeps_a_window_only_where_the_family_has_one():
     """Mistral (a window on every layer) takes Llama's weights with a window; Mixtral cannot hold a pattern of
     local and global layers; Qwen 2 can (layer_types)."""
-    from jaxpar.interop.hf_config import CheckpointError, family_of
+    from jaxpar.config.hf_config import CheckpointError, family_of
 
     assert family_of(model_of("llama", window=16)) == "mistral" and family_of(model_of("mistral", window=0)) == "llama"
     assert family_of(model_of("qwen2", window=16, attention_pattern="lg")) == "qwen2"
@@ -357,7 +357,7 @@ def test_train_export_and_import_again_gives_the_trained_weights(name, layout, t
     from flax import nnx
 
     from jaxpar.interop import hf
-    from jaxpar.laid_out.saved_run import SavedRun
+    from jaxpar.interop.saved_run import SavedRun
 
     run, out = tmp_path / "run", tmp_path / "hf"
     assert main(["train", f"model.from_hf={FIXTURES / name}", *layout, "train.steps=4", "checkpoint.every=4",
@@ -380,7 +380,7 @@ def test_train_export_and_import_again_gives_the_trained_weights(name, layout, t
 
 def test_a_final_soft_cap_is_gemmas_alone():
     """A Llama with a final soft-cap is not exported as a Llama without one."""
-    from jaxpar.interop.hf_config import CheckpointError, family_of
+    from jaxpar.config.hf_config import CheckpointError, family_of
 
     with pytest.raises(CheckpointError, match="other settings are gemma3_text's"):
         family_of(model_of("llama", final_softcap=30.0))

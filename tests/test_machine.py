@@ -1,10 +1,10 @@
-"""The machine record every speed figure carries (jaxpar.plan.machine), and MFU against it."""
+"""The machine record every speed figure carries (jaxpar.runtime.machine), and MFU against it."""
 
 import jax
 import pytest
 
 from jaxpar.config import Config
-from jaxpar.plan import machine
+from jaxpar.runtime import machine
 from jaxpar.train.model_flops import active_params, flops_per_token, utilization
 
 

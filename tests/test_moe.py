@@ -160,7 +160,7 @@ def test_dropless_drops_nothing_and_the_bias_moves_against_each_experts_load():
     import jax
     import numpy as np
 
-    from jaxpar.laid_out.checkpoint_files import flat_by_path
+    from jaxpar.interop.checkpoint_files import flat_by_path
 
     session, trainer = _trainer(*MODERN, "model.moe.router=dropless", "model.moe.every=2", "mesh.data=2",
                                 "mesh.expert=4", *SMALL)

@@ -12,7 +12,7 @@ from helpers import SMALL_MODEL, resumed_run_matches
 
 from jaxpar.cli import main
 from jaxpar.config.presets import load_config
-from jaxpar.laid_out.checkpoint_files import flat_by_path
+from jaxpar.interop.checkpoint_files import flat_by_path
 from jaxpar.model.axes import is_variable, path_names
 from jaxpar.model.transformer import Transformer
 from jaxpar.plan.memory import shard_bytes

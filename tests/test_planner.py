@@ -9,10 +9,10 @@ import pytest
 
 from jaxpar.cli import main
 from jaxpar.config.presets import load_config
-from jaxpar.config.validation import validate
-from jaxpar.plan.hardware import Hardware
+from jaxpar.features.validation import validate
 from jaxpar.plan.roofline import predict
 from jaxpar.plan.search import enumerate_layouts, floor_seconds, search
+from jaxpar.runtime.hardware import Hardware
 from jaxpar.train.model_flops import matmul_flops_floor
 
 # A made-up profile with round numbers, so the expected figures below can be worked out by hand.

@@ -18,7 +18,7 @@ from jaxpar.config.preference import PreferenceConfig
 from jaxpar.config.presets import load_config
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.features import problem
-from jaxpar.laid_out.checkpoint_files import flat_by_path
+from jaxpar.interop.checkpoint_files import flat_by_path
 from jaxpar.laid_out.forward import target_losses
 from jaxpar.session import on_devices
 from jaxpar.train.preference import batch_objective, pair_log_probs, weighted_pairs

@@ -10,9 +10,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "jaxpar"
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
-# 11: the laid-out model (jaxpar.laid_out) is a floor between parallel/ and train/, one more hop on the way
-# up (plan -> train -> laid_out -> session -> ...); the longest chain also runs config.validation -> features,
-# an import from a lower package to a higher one that issue 64 moves (then it is 10 again).
+# 11: the laid-out model (jaxpar.laid_out) is a floor between the session and train/, one more hop on the way
+# up (plan -> train -> laid_out -> session -> data ...); the session still loads the run's data, which issue 64
+# moves to training (then it is 10 again).
 MAX_IMPORT_CHAIN, MAX_TOP_LEVEL_MODULES = 11, 10
 
 
@@ -144,8 +144,8 @@ def test_the_chain_finder_sees_a_deep_chain_and_only_module_level_imports(tmp_pa
 # The modules that may import inside functions, each for a reason docs/code-layout.md gives ("Imports").
 LAZY_IMPORTS = {
     # jax must start after the device flags: what the CLI, the launcher or the planner's workers reach first
-    "cli.py", "config/precision.py", "plan/calibrate.py", "plan/compiled_cache.py", "plan/machine.py",
-    "plan/search.py", "runtime/devices.py", "runtime/distributed.py", "runtime/replan.py", "session.py",
+    "cli.py", "config/precision.py", "plan/calibrate.py", "plan/compiled_cache.py", "runtime/machine.py",
+    "plan/search.py", "runtime/devices.py", "runtime/distributed.py", "plan/replan.py", "session.py",
     "sampling/command.py", "train/model_flops.py",
     # a package only some commands need, paid for by those
     "charts.py", "plan/schedule_chart.py", "data/chat.py", "data/corpus.py", "data/input_files.py",
@@ -196,12 +196,53 @@ def test_only_the_precision_policy_compares_the_precision_with_a_string():
 
 def test_only_the_layout_compares_the_zero_stage_with_a_number():
     compare = re.compile(r"zero\s*(==|!=|>=|<=|>|<|in|not in)\s*[\d(]|(stage)\s*(>=|<=|>|<)\s*\d")
-    found = [f"{path.name}: {line.strip()}" for path, text in sources_outside("features/data.py")
+    found = [f"{path.name}: {line.strip()}" for path, text in sources_outside("config/parallel.py")
              for line in text.splitlines() if compare.search(line) and "zero" in line]
     assert found == []
 
 
-# What runs a model without training it: none of it may import training (jaxpar.train), anywhere.
+# The floors, bottom to top: a module imports (anywhere: at module level, inside functions, for type
+# checking) only modules of its own floor or below. docs/code-layout.md says what each holds.
+FLOORS = ("errors", "charts", "config", "features", "runtime", "model", "data", "parallel", "interop", "session",
+          "laid_out", "sampling", "evals", "rl", "train", "plan", "cli", "__main__", "jaxpar")
+# The imports that still run upward, each with what removes it: the session loads the run's inputs (GRPO's
+# prompts and reward), which belong to training (issue 64). The test fails when one goes, so the list shrinks.
+KNOWN_UPWARD = {("jaxpar.session", "jaxpar.rl.prompts"), ("jaxpar.session", "jaxpar.rl.rewards")}
+
+
+def floor(module: str) -> str:
+    """The floor of a dotted module name: its package under jaxpar, or the top module's own name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(package: Path = PACKAGE) -> set[tuple[str, str]]:
+    known = modules(package)
+    rank = {name: level for level, name in enumerate(FLOORS)}
+    return {(name, imported) for name, path in known.items() for imported in imports(path, known)
+            if rank[floor(name)] < rank[floor(imported)]}
+
+
+def test_every_package_has_a_floor():
+    assert {floor(name) for name in modules()} == set(FLOORS)
+
+
+def test_imports_run_down_the_floors_only():
+    assert upward_imports() == KNOWN_UPWARD
+
+
+def test_the_floor_check_sees_an_import_upward(tmp_path):
+    package = tmp_path / "jaxpar"
+    for name in ("__init__.py", "model/__init__.py", "model/layers.py", "train/__init__.py", "train/step.py"):
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text("")
+    (package / "train" / "step.py").write_text("from jaxpar.model.layers import Dense\n")  # down: fine
+    (package / "model" / "layers.py").write_text("def later():\n    from jaxpar.train.step import x\n")
+    assert upward_imports(package) == {("jaxpar.model.layers", "jaxpar.train.step")}
+
+
+# What runs a model without training it imports nothing of training, anywhere (issue 64's acceptance; the floors
+# hold it too, and this says it in so many words).
 BELOW_TRAINING = ("laid_out", "sampling", "evals", "rl", "interop")
 
 

@@ -120,7 +120,7 @@ def test_resume_from_between_any_two_steps_is_exact(tmp_path):
     weights of the run that was never stopped."""
     import jax
 
-    from jaxpar.laid_out.checkpoint_files import flat_by_path
+    from jaxpar.interop.checkpoint_files import flat_by_path
     from jaxpar.train.checkpoint import Checkpoints
 
     trainer = _trainer("parallel.pipeline.schedule=2bw", "train.batch_size=16")
@@ -201,7 +201,7 @@ def test_a_drained_run_trained_further_goes_on_as_if_never_drained(tmp_path):
     exactly the losses, and ends with the weights, of the run that had those steps from the start."""
     import jax
 
-    from jaxpar.laid_out.checkpoint_files import flat_by_path
+    from jaxpar.interop.checkpoint_files import flat_by_path
 
     trainer = _trainer("parallel.pipeline.schedule=2bw", "train.batch_size=16")
     sampler = trainer.session.train_data

@@ -1,6 +1,6 @@
 """model.from_run: start from an earlier run's newest checkpoint. Its model's shape comes from the config
 that run saved beside the checkpoint (checkpoints/<step>/meta/metadata, plain JSON), as model.from_hf's
-comes from config.json; the weights are read by jaxpar.laid_out.saved_run.read_run_weights."""
+comes from config.json; the weights are read by jaxpar.interop.saved_run.read_run_weights."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ class PipelineConfig:
 class ParallelConfig:
     """How work and state are partitioned beyond plain data/tensor parallelism."""
 
-    zero: Literal[0, 1, 2, 3] = 0  # ZeRO stage over the data-parallel devices (jaxpar.features.data.ZeroStage)
+    zero: Literal[0, 1, 2, 3] = 0  # ZeRO stage over the data-parallel devices (ZeroStage below)
     # Megatron sequence parallelism: between blocks the residual stream's sequence is split over mesh.tensor
     sequence: bool = False
     # the data-parallel gradient reductions' payload (bf16: half the bytes; accumulated into fp32 either way)
@@ -39,3 +39,30 @@ class ParallelConfig:
     # how tokens reach the experts of dropless routing under mesh.expert: allgather (every row to every expert
     # device, mesh.expert x the rows) or ragged (each device sends each expert device only the rows routed there)
     expert_dispatch: Literal["allgather", "ragged"] = "allgather"
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroStage:
+    """ZeRO by what it shards over the data-parallel devices (parallel.zero = 0 ... 3)."""
+
+    stage: int
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Gradients are reduce-scattered onto shards, layer by layer in backward (and each layer's
+        weight is expanded from what a device holds inside the layer scan)."""
+        return self.stage >= 2
+
+    @property
+    def shards_params(self) -> bool:
+        return self.stage >= 3
+
+    @property
+    def slices_replicated_weights(self) -> bool:
+        """Gradients sharded, parameters not (ZeRO-2): each device differentiates its slice of a
+        replicated weight."""
+        return self.shards_gradients and not self.shards_params

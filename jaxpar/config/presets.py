@@ -13,8 +13,8 @@ import yaml
 
 from jaxpar.config import Config, ConfigError, apply_overrides, flatten_dict, quoted
 from jaxpar.config.from_run import resolve_run
-from jaxpar.data.sources import mixture_text
-from jaxpar.interop.hf_config import resolve
+from jaxpar.config.hf_config import resolve
+from jaxpar.config.sources import mixture_text
 
 
 def _read_yaml(path: Path, seen: tuple = ()) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data.sources import parse_mixture
+from jaxpar.config.sources import parse_mixture
 from jaxpar.data.token_folder import is_token_folder, read_meta
 from jaxpar.errors import DataError
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data.sources import token_source
+from jaxpar.config.sources import token_source
 from jaxpar.errors import DataError
 
 META, TOKENIZER = "meta.json", "tokenizer.json"

@@ -19,13 +19,13 @@ from flax import nnx
 from lm_eval.utils import handle_non_serializable
 
 from jaxpar.config import Config
+from jaxpar.config.hf_config import read_config
 from jaxpar.config.precision import of as precision_of
 from jaxpar.data.folders import write_atomically
 from jaxpar.data.token_folder import tokenizer_settings
 from jaxpar.errors import UserError
 from jaxpar.evals.harness import EvalModel, JaxparLM
 from jaxpar.evals.tasks import evaluate, load_tasks, parse_tasks
-from jaxpar.interop.hf_config import read_config
 from jaxpar.sampling.command import stop_ids
 from jaxpar.sampling.model_source import load_model
 

@@ -16,7 +16,7 @@ import time
 
 import jax
 
-from jaxpar.evals import task_names, tasks_due
+from jaxpar.features.evals import task_names, tasks_due
 from jaxpar.laid_out.model import LaidOutModel
 from jaxpar.session import Session
 

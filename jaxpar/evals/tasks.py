@@ -27,7 +27,7 @@ from lm_eval.tasks._yaml_loader import load_yaml
 
 from jaxpar.config import CONFIG_DIR
 from jaxpar.errors import UserError
-from jaxpar.evals import YAML_SUFFIXES, task_names
+from jaxpar.features.evals import YAML_SUFFIXES, task_names
 
 OWN_TASKS = CONFIG_DIR / "evals"
 BOOTSTRAP_ITERS = 100_000  # lm-eval's own default

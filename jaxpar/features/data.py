@@ -1,14 +1,13 @@
 """Data parallelism and ZeRO: the batch's rows over mesh.data (and mesh.expert outside MoE layers), and
-ZeRO's stages as what they shard over those devices (parallel.zero)."""
+ZeRO's stages over those devices (parallel.zero; what each shards is jaxpar.config.parallel.ZeroStage)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 from jaxpar.features.feature import Checks, Switch, axis, unless
 
-if TYPE_CHECKING:  # annotations only: the layout imports ZeroStage from here
+if TYPE_CHECKING:  # annotations only: the chain of module-level imports stays short
     from jaxpar.config import Config
 
 SWITCHES = (
@@ -31,30 +30,3 @@ def routed_tokens_per_device(cfg: Config, sizes: dict[str, int]) -> int:
     t = cfg.train
     microbatches = cfg.parallel.pipeline.microbatches if sizes["stage"] > 1 else t.grad_accum
     return t.batch_size // (sizes["data"] * sizes["expert"] * microbatches) * cfg.model.seq_len
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroStage:
-    """ZeRO by what it shards over the data-parallel devices (parallel.zero = 0 ... 3)."""
-
-    stage: int
-
-    @property
-    def shards_optimizer_state(self) -> bool:
-        return self.stage >= 1
-
-    @property
-    def shards_gradients(self) -> bool:
-        """Gradients are reduce-scattered onto shards, layer by layer in backward (and each layer's
-        weight is expanded from what a device holds inside the layer scan)."""
-        return self.stage >= 2
-
-    @property
-    def shards_params(self) -> bool:
-        return self.stage >= 3
-
-    @property
-    def slices_replicated_weights(self) -> bool:
-        """Gradients sharded, parameters not (ZeRO-2): each device differentiates its slice of a
-        replicated weight."""
-        return self.shards_gradients and not self.shards_params

@@ -4,13 +4,34 @@ datasets read is known only to lm-eval, when the run starts (jaxpar.evals.in_loo
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 
 from jaxpar.config import Config
-from jaxpar.evals import YAML_SUFFIXES, lm_eval_missing, task_names
 from jaxpar.features.feature import Checks
 
 SWITCHES = ()
+YAML_SUFFIXES = (".yaml", ".yml")  # a task named by its file
+
+
+def task_names(text: str) -> list[str]:
+    """'T1,T2' (train.eval_tasks, --tasks) as its task names or paths; [] for none."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def tasks_due(step: int, train) -> bool:
+    """Whether step `step` of a run with these train.* settings runs its tasks: every train.eval_tasks_every
+    steps, or at the last step only when that is 0."""
+    if not task_names(train.eval_tasks):
+        return False
+    return step % train.eval_tasks_every == 0 if train.eval_tasks_every else step == train.steps
+
+
+def lm_eval_missing(what: str) -> str | None:
+    """One sentence when lm-eval is not installed (`what` needs it), else None."""
+    if find_spec("lm_eval") is None:
+        return f"{what} needs lm-eval, which is not installed: pip install 'jaxpar[eval]'."
+    return None
 
 
 def checks(cfg: Config, sizes: dict[str, int]) -> Checks:

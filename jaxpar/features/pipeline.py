@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from jaxpar.config import Config, precision
-from jaxpar.features.data import ZeroStage
+from jaxpar.config.parallel import ZeroStage
 from jaxpar.features.feature import Checks, Switch, axis, never
 
 

@@ -9,7 +9,7 @@ from importlib.util import find_spec
 from urllib.parse import urlparse
 
 from jaxpar.config import Config, quoted
-from jaxpar.data.sources import parse_mixture
+from jaxpar.config.sources import parse_mixture
 from jaxpar.features.feature import Checks
 
 MAX_SEED = 2 ** 63 - 1  # numpy wants a non-negative seed, jax one that fits in 64 bits

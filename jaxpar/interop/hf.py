@@ -18,16 +18,16 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import MESH_AXES, Config, ParallelConfig
+from jaxpar.config.hf_config import config_for, family_of
 from jaxpar.data.folders import is_free, new_folder
 from jaxpar.data.token_folder import tokenizer_folder
 from jaxpar.errors import UserError
 from jaxpar.features import with_derived
-from jaxpar.interop.hf_config import config_for, family_of
 from jaxpar.interop.hf_weights import load_params, open_checkpoint, save_params
 from jaxpar.interop.peft import CONFIG as ADAPTER_CONFIG
 from jaxpar.interop.peft import MODULES as PEFT_MODULES
 from jaxpar.interop.peft import check_exportable, read_adapter, write_adapter
-from jaxpar.laid_out.saved_run import SavedRun
+from jaxpar.interop.saved_run import SavedRun
 from jaxpar.model.adapters import Frozen, freeze_state, merged_weights
 from jaxpar.model.axes import is_variable, path_names
 from jaxpar.model.transformer import Transformer

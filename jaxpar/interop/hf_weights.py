@@ -23,9 +23,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxpar.config.hf_config import CONFIG_FILE, CheckpointError, hf_config, read_config
 from jaxpar.config.model import ModelConfig
 from jaxpar.data.token_folder import COMPANION_FILES, EOD, TOKENIZER, added_token_id, tokenizer_vocab
-from jaxpar.interop.hf_config import CONFIG_FILE, CheckpointError, hf_config, read_config
 from jaxpar.interop.hf_names import TensorMap, tensor_maps
 from jaxpar.interop.safetensors import DTYPES, Checkpoint, write_checkpoint
 from jaxpar.model.axes import is_variable, path_names

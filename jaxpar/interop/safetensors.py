@@ -25,7 +25,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jaxpar.interop.hf_errors import CheckpointError
+from jaxpar.config.hf_errors import CheckpointError
 
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),

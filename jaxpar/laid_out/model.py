@@ -19,7 +19,7 @@ from jaxpar.config import Config, ConfigError
 from jaxpar.features import layout_rules
 from jaxpar.interop.hf_weights import load_params
 from jaxpar.interop.peft import read_adapter
-from jaxpar.laid_out.saved_run import read_run_weights
+from jaxpar.interop.saved_run import read_run_weights
 from jaxpar.model.adapters import Frozen, freeze_state
 from jaxpar.model.axes import is_variable, path_names
 from jaxpar.model.protocol import is_block_model

@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config.parallel import ParallelConfig
+from jaxpar.config.parallel import ParallelConfig, ZeroStage
 from jaxpar.config.precision import POLICIES, PrecisionPolicy
-from jaxpar.features.data import ZeroStage
 from jaxpar.model.axes import Gemm, constrain, holds_array, is_stacked, is_variable, logical_names, path_names
 from jaxpar.model.fp8 import GEMMS
 from jaxpar.parallel.rules import RULES, axis_names, data_parallel_axes, logical_to_spec

@@ -6,7 +6,7 @@ gets while all of them work: a matmul sharded over every device is timed in each
 bytes a device writes per second, for the memory term), and all-reduces timed inside a loop (so
 that launching the program is not counted) give the fixed cost of a collective and the latency
 of one ring step (16-byte messages over every device and over pairs) and the bandwidth (1 MiB
-over every device). The profile also keeps the machine's record (jaxpar.plan.machine: processor,
+over every device). The profile also keeps the machine's record (jaxpar.runtime.machine: processor,
 native bf16, one whole-machine matmul's rates), which the planner prints with its figures. A few
 seconds; the result is kept in $XDG_CACHE_HOME/jaxpar (else ~/.cache/jaxpar), keyed by the
 processor, the core count, the device count and the jax version, so the next search reads it.
@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from jaxpar.plan import machine
-from jaxpar.plan.hardware import GPU_PROFILES, Hardware
-from jaxpar.plan.machine import cache_dir, store_json
+from jaxpar.runtime import machine
+from jaxpar.runtime.hardware import GPU_PROFILES, Hardware
+from jaxpar.runtime.machine import cache_dir, store_json
 
 MATMUL_SHAPE = (1024, 512, 512)  # rows per device x contracted x output: a mid-sized layer's matmul
 ALL_REDUCE_FLOATS = (4, 2 ** 18)  # fp32 elements per device: a message of latency only, and a large one
@@ -32,7 +32,7 @@ LOOP_SHORT, LOOP_LONG = 10, 30
 WRITE_FLOATS = 2 ** 21  # fp32 elements per device written by the elementwise probe (8 MiB, past the caches)
 REPEATS = 7
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")  # the compute dtypes of jaxpar.config.precision's policies
-PROFILE_FORMAT = 2  # 2: rates by compute dtype, and the machine record (jaxpar.plan.machine)
+PROFILE_FORMAT = 2  # 2: rates by compute dtype, and the machine record (jaxpar.runtime.machine)
 
 
 def _median_seconds(fn, *args) -> float:

@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 
 from jaxpar.config import Config
-from jaxpar.plan.machine import cache_dir, store_json
+from jaxpar.runtime.machine import cache_dir, store_json
 
 PACKAGE = Path(__file__).resolve().parent.parent
-CONSUMERS = {"cli.py", "plan/hardware.py", "runtime/launch.py", "plan/search.py", "plan/search_report.py",
+CONSUMERS = {"cli.py", "runtime/hardware.py", "runtime/launch.py", "plan/search.py", "plan/search_report.py",
              "plan/roofline.py", "plan/calibrate.py", "plan/schedule_chart.py"}
 
 

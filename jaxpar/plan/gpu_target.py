@@ -9,7 +9,7 @@ the plan reads. Nothing runs. The plugin (jax-cuda12-plugin and jax-cuda12-pjrt,
 optional extra `jaxpar[gpu-plan]`; it needs none of the nvidia-* wheels to compile.
 
 Each target's figures come from NVIDIA's documents, cited beside them; the memory size and bandwidth are
-the datasheet profiles' of jaxpar.plan.hardware (the roofline's, so the two never disagree):
+the datasheet profiles' of jaxpar.runtime.hardware (the roofline's, so the two never disagree):
   * the NVIDIA H100 Tensor Core GPU Architecture whitepaper (GH100, both GPUs' chip): 132 SMs in the
     SXM5 product, 128 FP32 cores per SM, 50 MB of L2, 1,980 MHz maximum SM clock;
   * B200: the DGX B200 user guide (docs.nvidia.com/dgx/dgxb200-user-guide: 8 B200 GPUs with 1,440 GB
@@ -39,7 +39,7 @@ import jax
 from jax.experimental import topologies
 
 from jaxpar.config import MESH_AXES, Config, ConfigError
-from jaxpar.plan.hardware import GPU_PROFILES
+from jaxpar.runtime.hardware import GPU_PROFILES
 
 PLUGIN_MODULE = "jax_plugins.xla_cuda12"
 INSTALL = ("pip install 'jaxpar[gpu-plan]' (or: pip install --no-deps jax-cuda12-plugin==0.12.0.1 "
@@ -54,7 +54,7 @@ CUDNN_VERSION = (9, 10, 2)
 class GpuTarget:
     """One kind of GPU as XLA:GPU's compiler sees it (figures and sources: the module's docstring)."""
 
-    name: str  # also its datasheet profile's (jaxpar.plan.hardware.GPU_PROFILES): memory size and bandwidth
+    name: str  # also its datasheet profile's (jaxpar.runtime.hardware.GPU_PROFILES): memory size and bandwidth
     device_kind: str  # what the device calls itself (nvidia-smi's name), and jax's device_kind
     sms: int = 132
     fp32_cores_per_sm: int = 128

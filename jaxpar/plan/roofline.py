@@ -27,7 +27,7 @@ import math
 
 from jaxpar.config import precision
 from jaxpar.config.mesh import host_split
-from jaxpar.plan.hardware import Hardware
+from jaxpar.runtime.hardware import Hardware
 
 TERMS = ("compute", "memory", "communication", "bubble")
 

@@ -28,13 +28,13 @@ import time
 import typing
 
 from jaxpar.config import Config, ConfigError, ParallelConfig, TrainConfig, precision
-from jaxpar.config.validation import validate
 from jaxpar.errors import UserError
 from jaxpar.features import MESH_KEYS
+from jaxpar.features.validation import validate
 from jaxpar.parallel.schedules import SCHEDULES, chunks_per_stage
 from jaxpar.plan import compiled_cache
-from jaxpar.plan.hardware import Hardware
 from jaxpar.plan.roofline import Prediction, hosts_of, predict_layout
+from jaxpar.runtime.hardware import Hardware
 
 # the keys the search enumerates (jaxpar.features), and their valid values where the config declares them
 ZERO_STAGES = typing.get_args(typing.get_type_hints(ParallelConfig)["zero"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from jaxpar.errors import UserError
 from jaxpar.features import SEARCHED_KEYS
-from jaxpar.plan import machine
 from jaxpar.plan.search import SearchResult
+from jaxpar.runtime import machine
 
 GIB = 2 ** 30
 

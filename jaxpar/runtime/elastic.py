@@ -17,7 +17,7 @@ from pathlib import Path
 
 from jaxpar.config import Config, ConfigError
 from jaxpar.config.mesh import resolve_mesh
-from jaxpar.config.validation import validate
+from jaxpar.features.validation import validate
 
 RECORD = "elastic.json"
 GRAD_ACCUMS = (1, 2, 4, 8, 16)  # what a re-planned layout may accumulate over, when the config's mesh cannot be kept

@@ -69,7 +69,7 @@ def generate(source: str, prompt: str, tokens: int, temperature: float = 0.0, se
 
     from jaxpar.data.token_folder import TextCodec, tokenizer_folder
     from jaxpar.interop import hf
-    from jaxpar.laid_out.saved_run import SavedRun
+    from jaxpar.interop.saved_run import SavedRun
     from jaxpar.model.transformer import Transformer
     from jaxpar.sampling.single import generate_ids
 

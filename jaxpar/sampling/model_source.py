@@ -17,8 +17,8 @@ from jaxpar.config.rl import RLConfig
 from jaxpar.data.token_folder import TOKENIZER, tokenizer_folder
 from jaxpar.errors import UserError
 from jaxpar.interop.hf_weights import load_params
+from jaxpar.interop.saved_run import SavedRun
 from jaxpar.laid_out.model import LaidOutModel
-from jaxpar.laid_out.saved_run import SavedRun
 from jaxpar.runtime.devices import setup_devices
 from jaxpar.sampling.command import refuse_expert_choice
 from jaxpar.session import on_devices

@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 
 from jaxpar.config import flatten_dict
 from jaxpar.errors import RunFailed
-from jaxpar.laid_out.checkpoint_files import PARAMS, brief_error, flat_by_path, is_damage, nest_by_path
+from jaxpar.interop.checkpoint_files import PARAMS, brief_error, flat_by_path, is_damage, nest_by_path
 from jaxpar.runtime import distributed
 from jaxpar.train.checkpoint_fit import (
     IN_FLIGHT,

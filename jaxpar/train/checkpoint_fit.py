@@ -8,7 +8,7 @@ import jax
 
 from jaxpar.config import Config
 from jaxpar.errors import UserError
-from jaxpar.laid_out.checkpoint_files import flat_by_path
+from jaxpar.interop.checkpoint_files import flat_by_path
 
 
 class CheckpointMismatch(UserError):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.laid_out.checkpoint_files import flat_by_path
+from jaxpar.interop.checkpoint_files import flat_by_path
 from jaxpar.runtime import distributed
 from jaxpar.train.checkpoint import CheckpointMismatch, Restored, check_compatible, state_spec
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from jaxpar.data.sources import token_source
+from jaxpar.config.sources import token_source
 from jaxpar.data.token_folder import is_token_folder
-from jaxpar.evals import tasks_due
 from jaxpar.evals.in_loop import TaskEvals
+from jaxpar.features.evals import tasks_due
 from jaxpar.runtime.distributed import ENV_ATTEMPT, StopAgreement, is_secondary
 from jaxpar.runtime.elastic import record_rows
 from jaxpar.runtime.goodput import Timeline

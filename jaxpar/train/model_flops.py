@@ -64,10 +64,10 @@ def flops_per_token(cfg) -> float:
 
 def utilization(cfg, tokens_per_s: float, devices: list, compute_dtype: str, record: dict) -> dict:
     """MFU: flops_per_token x tokens/s over the peak matmul rate in `compute_dtype` (the precision
-    policy's). A GPU with a hardware profile (jaxpar.plan.hardware): its datasheet peak x the devices. A
-    CPU: the machine's measured rate in `record` (jaxpar.plan.machine.describe), which all emulated devices
+    policy's). A GPU with a hardware profile (jaxpar.runtime.hardware): its datasheet peak x the devices. A
+    CPU: the machine's measured rate in `record` (jaxpar.runtime.machine.describe), which all emulated devices
     share. Returns the figures and where the peak comes from; mfu is None without a peak."""
-    from jaxpar.plan.hardware import GPU_PROFILES, for_device_kind
+    from jaxpar.runtime.hardware import GPU_PROFILES, for_device_kind
 
     per_token = flops_per_token(cfg)
     first = devices[0]

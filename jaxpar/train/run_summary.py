@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxpar.charts import plot_loss
-from jaxpar.plan import machine
+from jaxpar.runtime import machine
 from jaxpar.runtime.distributed import is_secondary
 from jaxpar.runtime.goodput import TIMELINE, current_job, goodput
 from jaxpar.runtime.jsonl import read_jsonl
@@ -63,7 +63,7 @@ def _reward_summary(records: list[dict]) -> dict:
 
 
 def _utilization(session: Session, trainer: Trainer, tokens_per_s: float | None) -> dict:
-    """The machine (jaxpar.plan.machine) and the MFU of the median tokens/s (jaxpar.train.model_flops.utilization).
+    """The machine (jaxpar.runtime.machine) and the MFU of the median tokens/s (jaxpar.train.model_flops.utilization).
     On a CPU, one 2048^3 matmul in the compute dtype is timed on the machine's first run, then read from
     the cache."""
     compute = session.precision.compute

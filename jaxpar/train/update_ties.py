@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import optax
 
-from jaxpar.laid_out.checkpoint_files import flat_by_path
+from jaxpar.interop.checkpoint_files import flat_by_path
 
 # Measured (fp32, GRPO on the small model, data=4 x tensor=2, ZeRO-3): the layout's step-1 gradients differ
 # from the reference's by up to 1.1e-5 of their tensor's RMS gradient. An error d in a gradient moves Adam's

@@ -20,7 +20,7 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache
 from jaxpar.config import Config, RunConfig
 from jaxpar.config.precision import of as policy_of
 from jaxpar.features import reference_overrides
-from jaxpar.laid_out.checkpoint_files import flat_by_path
+from jaxpar.interop.checkpoint_files import flat_by_path
 from jaxpar.rl.rollout import Scoring
 from jaxpar.session import Session, on_devices
 from jaxpar.train.feeds import RolloutFeed

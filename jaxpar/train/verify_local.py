@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxpar.laid_out.checkpoint_files import flat_by_path
+from jaxpar.interop.checkpoint_files import flat_by_path
 from jaxpar.session import Session, on_devices
 from jaxpar.train.trainer import Trainer
 

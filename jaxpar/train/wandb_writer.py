@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jaxpar.config import Config
 from jaxpar.errors import UserError
-from jaxpar.plan import machine
+from jaxpar.runtime import machine
 from jaxpar.train.report import write_json_atomic
 
 RUN_FILE = "jaxpar-run.json"  # under <run.dir>/wandb: the W&B run id and the last step W&B holds

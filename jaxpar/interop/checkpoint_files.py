@@ -2,7 +2,7 @@
 parameters under PARAMS), and which read errors say that a checkpoint is damaged.
 
 Training writes and restores whole states (jaxpar.train.checkpoint); `jaxpar generate`, `eval`,
-`export-hf` and model.from_run read the parameters alone (jaxpar.laid_out.saved_run). Both key arrays
+`export-hf` and model.from_run read the parameters alone (jaxpar.interop.saved_run). Both key arrays
 by path, so a checkpoint is independent of the mesh, the ZeRO stage and the pipeline schedule.
 """
 

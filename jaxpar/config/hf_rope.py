@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from jaxpar.config.hf_errors import CheckpointError
 from jaxpar.config.model import ModelConfig
-from jaxpar.interop.hf_errors import CheckpointError
 
 JAXPAR_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 HF_TYPES = {kind: name for name, kind in JAXPAR_TYPES.items()}

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxpar.config import Config, apply_overrides, flatten_dict
 from jaxpar.config.adapters import LoRAConfig
 from jaxpar.errors import UserError
-from jaxpar.laid_out.checkpoint_files import PARAMS, brief_error, flat_by_path, is_damage, nest_by_path
+from jaxpar.interop.checkpoint_files import PARAMS, brief_error, flat_by_path, is_damage, nest_by_path
 from jaxpar.model.axes import is_variable, path_names
 from jaxpar.model.transformer import Transformer
 

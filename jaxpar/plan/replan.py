@@ -21,8 +21,8 @@ import sys
 
 from jaxpar.config import Config, ConfigError, flatten_dict
 from jaxpar.config.mesh import resolve_mesh
-from jaxpar.config.validation import validate
 from jaxpar.errors import UserError
+from jaxpar.features.validation import validate
 from jaxpar.runtime import distributed
 from jaxpar.runtime.elastic import keep_rows, read_record
 
@@ -71,9 +71,9 @@ def held_settings(cfg: Config) -> dict:
 def _planned(cfg: Config, devices: list, budget: float) -> tuple[dict, str]:
     """The planner's best layout of `cfg` on `devices` within `budget` (held_settings held), and its name."""
     from jaxpar.plan.calibrate import profile
-    from jaxpar.plan.hardware import for_device_kind
     from jaxpar.plan.search import search
     from jaxpar.plan.search_report import best_overrides
+    from jaxpar.runtime.hardware import for_device_kind
 
     name = "cpu" if devices[0].platform == "cpu" else for_device_kind(devices[0].device_kind)
     if name is None:

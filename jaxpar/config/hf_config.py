@@ -1,12 +1,12 @@
 """Hugging Face `config.json` <-> jaxpar's `model.*` keys, for the Llama, Mistral, Qwen 2/2.5 and Qwen 3
 families and the Mixtral and Qwen3-MoE mixtures of experts here, and Gemma 3 (text), gpt-oss and
-DeepSeek-V3 in jaxpar.interop.hf_families. Pure Python (no jax): the CLI resolves `model.from_hf` while it
+DeepSeek-V3 in jaxpar.config.hf_families. Pure Python (no jax): the CLI resolves `model.from_hf` while it
 reads the config.
 
 Reading: each supported field becomes a `model.*` value; a field jaxpar cannot honour (an output
 bias, a non-SiLU activation, an unknown RoPE type, quantized weights) is refused in one sentence.
-RoPE settings are read in both spellings (jaxpar.interop.hf_rope), sliding windows as model.window
-and model.attention_pattern (jaxpar.interop.hf_windows). A field that is missing takes the family's
+RoPE settings are read in both spellings (jaxpar.config.hf_rope), sliding windows as model.window
+and model.attention_pattern (jaxpar.config.hf_windows). A field that is missing takes the family's
 default in transformers.
 
 Writing (`hf_config`): the source checkpoint's own config.json when the model came from one (its
@@ -18,11 +18,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxpar.config import Config, ConfigError, ModelConfig, apply_overrides, flatten_dict
-from jaxpar.interop import hf_families
-from jaxpar.interop.hf_errors import CheckpointError
-from jaxpar.interop.hf_rope import rope_fields, rope_parameters, rope_settings
-from jaxpar.interop.hf_windows import window_fields, window_settings
+from jaxpar.config import Config, ConfigError, ModelConfig, apply_overrides, flatten_dict, hf_families
+from jaxpar.config.hf_errors import CheckpointError
+from jaxpar.config.hf_rope import rope_fields, rope_parameters, rope_settings
+from jaxpar.config.hf_windows import window_fields, window_settings
 
 CONFIG_FILE = "config.json"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")

@@ -3,7 +3,7 @@ matmul rates it reaches, measured when asked. Machines of the same kind differ (
 AVX-512 BF16 runs a bf16 matmul 1.8x faster than fp32, one without it slower), so every benchmark
 table, JSON line and training summary carries this record.
 
-    python -m jaxpar.plan.machine     prints the record and its line as one JSON line
+    python -m jaxpar.runtime.machine     prints the record and its line as one JSON line
                                  (benchmarks/peer_maxtext.py, which runs without jax, asks
                                  jaxpar's interpreter for it)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxpar.config.hf_errors import CheckpointError
 from jaxpar.config.model import ModelConfig
-from jaxpar.interop.hf_errors import CheckpointError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")

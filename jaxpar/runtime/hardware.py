@@ -43,7 +43,7 @@ class Hardware:
     bandwidth);
     overlaps_collectives: whether collectives over the data axes run while compute runs (GPUs:
     XLA's latency-hiding scheduler makes them asynchronous; XLA:CPU runs them in line);
-    machine: a measured profile's machine record (jaxpar.plan.machine.describe), None for a datasheet.
+    machine: a measured profile's machine record (jaxpar.runtime.machine.describe), None for a datasheet.
     """
 
     name: str

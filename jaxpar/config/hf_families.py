@@ -12,10 +12,10 @@ from __future__ import annotations
 from numbers import Real
 from pathlib import Path
 
+from jaxpar.config.hf_errors import CheckpointError
+from jaxpar.config.hf_rope import latent_softmax_scale, model_latent_scale, rope_fields, rope_parameters, rope_settings
+from jaxpar.config.hf_windows import window_fields, window_settings
 from jaxpar.config.model import ModelConfig
-from jaxpar.interop.hf_errors import CheckpointError
-from jaxpar.interop.hf_rope import latent_softmax_scale, model_latent_scale, rope_fields, rope_parameters, rope_settings
-from jaxpar.interop.hf_windows import window_fields, window_settings
 
 NEW_FAMILIES = ("gemma3_text", "gpt_oss", "deepseek_v3")
 ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
