@@ -58,8 +58,8 @@ import numpy as np  # noqa: E402
 from jaxpar.model.routers import capacity  # noqa: E402
 from jaxpar.plan import measure_step  # noqa: E402
 from jaxpar.runtime.jsonl import read_jsonl  # noqa: E402
-from jaxpar.session import prepare  # noqa: E402
 from jaxpar.train.loop import train  # noqa: E402
+from jaxpar.train.run_session import prepare  # noqa: E402
 
 
 def throughput_row(router: str, expert: int, batches: list[np.ndarray]) -> dict:

@@ -39,7 +39,7 @@ def measure(schedule: str, level: int) -> dict:
     os.environ["JAX_PLATFORMS"] = "cpu"
     from jaxpar.config.presets import load_config
     from jaxpar.plan.memory import measure_step
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     trainer = Trainer(prepare(load_config(None, [*SHAPE, *SCHEDULES[schedule], f"run.dir={os.devnull}"])))

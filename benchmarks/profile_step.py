@@ -41,7 +41,7 @@ setup_devices(CFG)  # before jax starts: emulated CPU devices
 
 import jax  # noqa: E402
 
-from jaxpar.session import prepare  # noqa: E402
+from jaxpar.train.run_session import prepare  # noqa: E402
 from jaxpar.train.trainer import Trainer  # noqa: E402
 
 COLLECTIVES = {"all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"}

@@ -35,7 +35,7 @@ def main() -> int:
         parser.error("--rounds must be at least 1")
     run_dir = tempfile.mkdtemp(prefix="jaxpar-restore-")
     cfg = load_settings([*args.settings, f"run.dir={run_dir}"])
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
 
     session = prepare(cfg)
     import jax

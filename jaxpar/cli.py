@@ -39,7 +39,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.run.elastic:  # the devices first, then the layout for them
         from jaxpar.plan.replan import prepare_elastic as prepare
     else:
-        from jaxpar.session import prepare
+        from jaxpar.train.run_session import prepare
     session = prepare(cfg)
     from jaxpar.runtime.goodput import describe
     from jaxpar.train.loop import NonFiniteLoss, train
@@ -80,7 +80,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _, overrides = _split_args(args.settings)
     steps_given = any(o.split("=", 1)[0].strip() == "train.steps" for o in overrides)
     cfg = _load(args.settings, None if steps_given else {"train.steps": DEFAULT_STEPS})
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
 
     session = prepare(cfg)
     from jaxpar.runtime import distributed

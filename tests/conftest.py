@@ -37,7 +37,7 @@ from jaxpar.config.presets import load_config  # noqa: E402
 @pytest.fixture
 def session_for(tmp_path):
     """Build a prepared Session from key=value overrides (run.dir inside tmp_path)."""
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
 
     def build(*overrides: str):
         return prepare(load_config(None, [f"run.dir={tmp_path / 'run'}", *overrides]))
@@ -73,7 +73,7 @@ def ten_steps(tmp_path_factory) -> Path:
 def trainer():
     """A trainer for the layout of `ten_steps`, shared by tests that only restore."""
     from jaxpar.config.presets import load_config
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     session = prepare(load_config(BASE[0], BASE[1:]))

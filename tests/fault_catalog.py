@@ -123,7 +123,7 @@ def overrides(fault: Fault, precision: str) -> list[str]:
 def run(fault: Fault, precision: str, run_dir) -> dict:
     """verify's result for the fault's layout in `precision`, with the fault injected on the layout side."""
     from jaxpar.config.presets import load_config
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.verify import verify
 
     data = () if fault.data is None else fault.data(Path(run_dir) / "data")

@@ -60,8 +60,8 @@ def test_the_final_save_is_made_once(overrides, saved):
 def test_restore_onto_another_mesh_and_zero_stage(tmp_path, capsys):
     from jaxpar.config.presets import load_config
     from jaxpar.interop.checkpoint_files import flat_by_path
-    from jaxpar.session import prepare
     from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     original = ["mesh.data=8", "mesh.tensor=1"]
@@ -116,8 +116,8 @@ def test_restore_across_pipeline_layouts(tmp_path):
 
     from jaxpar.config.presets import load_config
     from jaxpar.interop.checkpoint_files import flat_by_path
-    from jaxpar.session import prepare
     from jaxpar.train.checkpoint import CheckpointMismatch, Checkpoints
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     def trainer(name):

@@ -13,7 +13,7 @@ from jaxpar.config.presets import load_config
 from jaxpar.features.training import automatic_loss_chunks
 from jaxpar.interop.checkpoint_files import flat_by_path
 from jaxpar.plan import measure_step
-from jaxpar.session import prepare
+from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
 
 

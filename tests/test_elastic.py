@@ -430,7 +430,7 @@ def test_an_elastic_start_keeps_the_configs_mesh_when_it_fits_and_else_takes_the
         tmp_path, monkeypatch, capsys):
     import jax
 
-    from jaxpar.runtime import replan as replan_module
+    from jaxpar.plan import replan as replan_module
 
     (tmp_path / "elastic.json").write_text(json.dumps({"rows_per_device": 2, "devices": 8}))
     base = Config().replace(**{"train.batch_size": 16, "run.dir": str(tmp_path)})

@@ -157,7 +157,7 @@ def test_a_generation_that_leaves_no_room_for_its_context_is_one_sentence_before
 
 
 def test_without_lm_eval_eval_and_in_loop_tasks_are_one_sentence(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr("jaxpar.evals.find_spec", lambda name: None)
+    monkeypatch.setattr("jaxpar.features.evals.find_spec", lambda name: None)
     code, _, err = eval_here(capsys, str(MODEL), "--tasks", TASKS)
     assert code == 2 and err == "jaxpar: error: jaxpar eval needs lm-eval, which is not installed: pip install " \
                                 "'jaxpar[eval]'.\n"

@@ -21,7 +21,7 @@ import pytest
 
 from jaxpar.config import ConfigError
 from jaxpar.config.presets import load_config
-from jaxpar.session import prepare
+from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
 

@@ -19,7 +19,7 @@ import pytest
 from jaxpar.config import MESH_AXES, ConfigError
 from jaxpar.config.mesh import resolve_mesh
 from jaxpar.config.presets import load_config
-from jaxpar.session import prepare
+from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
 

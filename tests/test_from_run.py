@@ -11,7 +11,7 @@ from jaxpar.config.presets import load_config
 from jaxpar.interop.checkpoint_files import flat_by_path
 from jaxpar.interop.saved_run import SavedRun
 from jaxpar.model.adapters import Frozen
-from jaxpar.session import prepare
+from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
 
 SHAPE = ("model.d_model=32", "model.n_layers=2", "model.d_ff=64", "model.seq_len=32")

@@ -19,7 +19,7 @@ from jaxpar.model.moe_step import ExpertTerms
 from jaxpar.model.transformer import Transformer
 from jaxpar.rl.grpo import group_advantages
 from jaxpar.rl.rollout import training_rows
-from jaxpar.session import prepare
+from jaxpar.train.run_session import prepare
 from jaxpar.train.step import objective
 from jaxpar.train.verify import verify
 

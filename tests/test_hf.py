@@ -46,7 +46,7 @@ def layout_logits(*settings: str) -> tuple[np.ndarray, np.ndarray]:
     loading the checkpoint through the trainer (each device its own slices), and transformers'."""
     from jaxpar.model import layout_hooks
     from jaxpar.parallel import eval_hooks
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     name = next(s for s in settings if s.startswith("model.from_hf=")).rsplit("/", 1)[1]
@@ -210,7 +210,7 @@ def test_each_device_reads_only_its_own_slices(name, layout):
     from jaxpar.interop.hf_names import tensor_maps
     from jaxpar.interop.hf_weights import load_params
     from jaxpar.model.axes import path_names
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     session = prepare(load_config(None, [f"model.from_hf={FIXTURES / name}", *layout]))

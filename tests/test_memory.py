@@ -20,7 +20,7 @@ def plans():
     import os
 
     from jaxpar.config.presets import load_config
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
 
     cache = {}
 

@@ -8,7 +8,7 @@ from helpers import SMALL_MODEL
 
 from jaxpar.config.presets import load_config
 from jaxpar.plan import measure_step
-from jaxpar.session import prepare
+from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
 

@@ -16,7 +16,7 @@ TINY = ["configs/tiny_test.yaml", "train.steps=3", "mesh.tensor=1"]
 @pytest.fixture
 def tiny(tmp_path):
     from jaxpar.config.presets import load_config
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
 
     def build(*overrides):
         return prepare(load_config(TINY[0], [*TINY[1:], f"run.dir={tmp_path / 'run'}", *overrides]))

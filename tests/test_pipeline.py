@@ -122,7 +122,7 @@ def test_gpipe_sends_activations_forward_and_their_cotangents_back():
     stage in one all-reduce over `stage`, for the head spread over the stages."""
     from jaxpar.config.presets import load_config
     from jaxpar.plan import measure_step
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     session = prepare(load_config(None, [*SMALL_MODEL, "mesh.data=4", "mesh.stage=2", "train.batch_size=32",
@@ -184,7 +184,7 @@ def test_1f1b_bounds_activation_memory_by_stages_not_microbatches():
 
     from jaxpar.config.presets import load_config
     from jaxpar.plan import measure_step
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     base = ["mesh.data=2", "mesh.stage=4", "model.n_layers=8", "model.seq_len=256", "train.batch_size=64",
@@ -208,7 +208,7 @@ def test_1f1b_executes_the_matmuls_of_data_parallelism_and_recompute_adds_a_forw
 
     from jaxpar.config.presets import load_config
     from jaxpar.plan import measure_step
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     # the 1F1B layout of the test above (compiled once per run)

@@ -13,7 +13,7 @@ from test_docs import marked_block
 from jaxpar.config import ConfigError
 from jaxpar.config.presets import load_config
 from jaxpar.model import constrain
-from jaxpar.session import prepare
+from jaxpar.train.run_session import prepare
 from jaxpar.train.verify import verify
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "python-api.md"

@@ -17,7 +17,7 @@ from jaxpar.config.presets import load_config
 from jaxpar.model.dropless import dropless_experts, ragged_dropless_experts
 from jaxpar.parallel.ragged import Exchange, emulated
 from jaxpar.plan import collectives, format_report, measure_step
-from jaxpar.session import prepare
+from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import verify
 

@@ -13,8 +13,9 @@ from helpers import SMALL_MODEL
 import jaxpar.model.routers as routers
 from jaxpar.config.precision import POLICIES
 from jaxpar.config.presets import load_config
-from jaxpar.session import on_devices, prepare
+from jaxpar.session import on_devices
 from jaxpar.train.routing_check import RoutingCheck
+from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.train.verify import compare, reference_config
 

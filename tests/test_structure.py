@@ -10,9 +10,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "jaxpar"
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
-# 11: the laid-out model (jaxpar.laid_out) is a floor between the session and train/, one more hop on the way
-# up (plan -> train -> laid_out -> session -> data ...); the session still loads the run's data, which issue 64
-# moves to training (then it is 10 again).
+# 11 since the laid-out model (jaxpar.laid_out) became a floor between the session and train/: one more hop on
+# the longest way up (plan -> train -> laid_out -> session -> features -> config).
 MAX_IMPORT_CHAIN, MAX_TOP_LEVEL_MODULES = 11, 10
 
 
@@ -205,9 +204,6 @@ def test_only_the_layout_compares_the_zero_stage_with_a_number():
 # checking) only modules of its own floor or below. docs/code-layout.md says what each holds.
 FLOORS = ("errors", "charts", "config", "features", "runtime", "model", "data", "parallel", "interop", "session",
           "laid_out", "sampling", "evals", "rl", "train", "plan", "cli", "__main__", "jaxpar")
-# The imports that still run upward, each with what removes it: the session loads the run's inputs (GRPO's
-# prompts and reward), which belong to training (issue 64). The test fails when one goes, so the list shrinks.
-KNOWN_UPWARD = {("jaxpar.session", "jaxpar.rl.prompts"), ("jaxpar.session", "jaxpar.rl.rewards")}
 
 
 def floor(module: str) -> str:
@@ -228,7 +224,7 @@ def test_every_package_has_a_floor():
 
 
 def test_imports_run_down_the_floors_only():
-    assert upward_imports() == KNOWN_UPWARD
+    assert upward_imports() == set()
 
 
 def test_the_floor_check_sees_an_import_upward(tmp_path):

@@ -82,7 +82,7 @@ def test_schedule_cli_draws_two_steady_steps(tmp_path, capsys):
 
 def _trainer(*overrides):
     from jaxpar.config.presets import load_config
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     return Trainer(prepare(load_config(None, [*SMALL_MODEL, "mesh.data=2", "mesh.stage=4", *overrides])))

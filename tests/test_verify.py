@@ -65,7 +65,7 @@ import json, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from helpers import SMALL_MODEL
 from jaxpar.config.presets import load_config
-from jaxpar.session import prepare
+from jaxpar.train.run_session import prepare
 from jaxpar.train import verify as verify_module
 original = verify_module.reference_config
 verify_module.reference_config = lambda cfg: original(cfg).replace(**{{"train.lr": 1e-3}})

@@ -74,7 +74,7 @@ def test_frozen_qkv_fails_on_the_sweeps_fp8_draw(tmp_path):
     from test_verify_sweep import data_folders, draw, settle
 
     from jaxpar.config.presets import load_config
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.verify import verify
 
     overrides = settle(draw(0), data_folders(tmp_path))

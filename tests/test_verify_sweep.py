@@ -14,7 +14,7 @@ from jaxpar.config.presets import load_config
 from jaxpar.data.document_readers import DocumentSpec
 from jaxpar.data.tokenize import tokenize
 from jaxpar.errors import ConfigError
-from jaxpar.session import prepare
+from jaxpar.train.run_session import prepare
 from jaxpar.train.verify import verify
 
 # The suite's draws: seeds whose layouts are four in fp32, one in bf16 and one in fp8, an MoE in three, LoRA in

@@ -176,7 +176,7 @@ def test_zero_bubble_runs_each_matmul_once_within_1f1b_memory():
 
     from jaxpar.config.presets import load_config
     from jaxpar.plan import measure_step
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
     # the 1F1B layout of test_1f1b_bounds_activation_memory_by_stages_not_microbatches (compiled once per run)

@@ -30,7 +30,7 @@ from jaxpar.runtime.elastic import keep_rows, read_record
 def prepare_elastic(cfg: Config):
     """jaxpar.session.prepare for a run with run.elastic=true: the devices first, then the layout for them."""
     from jaxpar.runtime.devices import setup_devices
-    from jaxpar.session import prepare
+    from jaxpar.train.run_session import prepare
 
     devices = setup_devices(cfg)
     return prepare(replan(cfg, devices), devices)

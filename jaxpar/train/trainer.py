@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 import jaxpar.train.local_sgd as local_sgd
+from jaxpar.config.sources import parse_mixture
 from jaxpar.data.packed_rows import PackedRows
 from jaxpar.laid_out.forward import make_eval_step
 from jaxpar.laid_out.model import LaidOutModel
@@ -200,7 +201,7 @@ class Trainer(LaidOutModel):
             return PackedRows(one, one, one, one, reference_BL=reference, sampled_BL=per_target, advantages_B=per_row)
         if self.cfg.data.packing == "none":
             return one
-        sources = len(self.session.mixture)
+        sources = len(parse_mixture(self.cfg.data.mixture))
         source_B = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=self.batch_sharding) if sources else None
         return PackedRows(one, one, one, one, source_B=source_B, sources=sources)
 
