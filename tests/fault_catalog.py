@@ -842,7 +842,7 @@ FAULTS = [
           "jaxpar.model.attention:lora_output", adapter_per_rank("heads"), layout=(*QUICK_LAYOUT, "model.lora.rank=4"),
           area="LoRA adapters"),
     Fault("DPO pairs weighed per shard", "DPO's row weights count valid pairs per data shard, not per batch",
-          "jaxpar.train.step:weighted_pairs", pairs_weighed_per_shard, layout=QUICK_LAYOUT, data=_preference_data,
+          "jaxpar.train.objectives:weighted_pairs", pairs_weighed_per_shard, layout=QUICK_LAYOUT, data=_preference_data,
           area="DPO per-row reductions"),
     Fault("GRPO mean over all positions", "GRPO's per-completion mean divides by the row's length, not its tokens",
           "jaxpar.rl.grpo:token_terms", mean_over_all_positions, layout=QUICK_LAYOUT, data=_grpo_prompts,

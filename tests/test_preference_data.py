@@ -12,6 +12,7 @@ from helpers import tokenizer_with_template
 from test_pack_plan import reference_plan
 
 from jaxpar.cli import main
+from jaxpar.config.objectives import OBJECTIVES
 from jaxpar.config.presets import load_config
 from jaxpar.data.document_readers import DocumentSpec
 from jaxpar.data.documents import Documents, load_documents, split_documents
@@ -171,7 +172,8 @@ def test_the_objective_and_packing_must_fit_the_data(folder, tmp_path):
     tokenize([str(write_jsonl(tmp_path / "docs.jsonl", [{"text": r["prompt"]} for r in records()]))], str(plain),
              tokenizer_file=str(folder), progress=False, spec=DocumentSpec(field="text"))
     for objective in ("dpo", "simpo", "orpo"):
-        check_preference_source(data_config(tmp_path, f"data.source={folder}", "data.packing=pack").data, objective)
+        check_preference_source(data_config(tmp_path, f"data.source={folder}", "data.packing=pack").data,
+                                OBJECTIVES[objective])
     cases = [
         (plain, "dpo", "pack", "train.objective=dpo trains on preference pairs, and"),
         ("builtin", "orpo", "pack", "'builtin' is not a folder that `jaxpar tokenize --preference` wrote"),
@@ -182,13 +184,13 @@ def test_the_objective_and_packing_must_fit_the_data(folder, tmp_path):
     for source, objective, packing, message in cases:
         cfg = data_config(tmp_path, f"data.source={source}", f"data.packing={packing}")
         with pytest.raises(DataError) as e:
-            check_preference_source(cfg.data, objective)
+            check_preference_source(cfg.data, OBJECTIVES[objective])
         assert message in str(e.value) and str(e.value).count(". ") == 0, str(e.value)
-    check_preference_source(data_config(tmp_path, f"data.source={plain}", "data.packing=none").data, "sft")
+    check_preference_source(data_config(tmp_path, f"data.source={plain}", "data.packing=none").data, OBJECTIVES["sft"])
     mixed = data_config(tmp_path, f"data.mixture={folder}:1,{plain}:1", "data.packing=pack").data
     assert not is_preference_data(mixed)
     with pytest.raises(DataError, match=f"'{plain}' is not a folder"):
-        check_preference_source(mixed, "dpo")
+        check_preference_source(mixed, OBJECTIVES["dpo"])
     cfg = data_config(tmp_path, f"data.source={folder}", "data.packing=concat")
     with pytest.raises(DataError, match="need data.packing=pack"):
         packed_samplers(cfg.data, cfg.model, cfg.train)

@@ -200,6 +200,22 @@ def test_only_the_layout_compares_the_zero_stage_with_a_number():
     assert found == []
 
 
+# train.objective compared with a name: `objective == "dpo"`, `objective in PAIRS`, `"grpo" == x`
+OBJECTIVE_COMPARED = re.compile(r"objective(\.name)?\s*(==|!=|\bin\b|\bnot in\b)\s*[\"'(\[A-Z]"
+                                r"|[\"'](sft|dpo|simpo|orpo|grpo)[\"']\s*(==|!=|\bin\b)")
+
+
+def test_only_the_objectives_module_compares_the_objective_with_a_name():
+    found = [f"{path.name}: {line.strip()}" for path, text in sources_outside("config/objectives.py")
+             for line in text.splitlines() if OBJECTIVE_COMPARED.search(line)]
+    assert found == []
+
+
+def test_the_objective_check_sees_a_comparison():
+    lines = ['if t.objective == "dpo":', "if objective not in PREFERENCE_OBJECTIVES:", 'if "grpo" == name:',
+             "if cfg.train.objective != 'sft':", "if objective_of(cfg).samples:", "objective = training_objective(cfg)"]
+    assert [bool(OBJECTIVE_COMPARED.search(line)) for line in lines] == [True, True, True, True, False, False]
+
 # The floors, bottom to top: a module imports (anywhere: at module level, inside functions, for type
 # checking) only modules of its own floor or below. docs/code-layout.md says what each holds.
 FLOORS = ("errors", "charts", "config", "features", "runtime", "model", "data", "parallel", "interop", "session",

@@ -25,6 +25,10 @@ themselves come from jax.numpy when first asked for. A new precision is one entr
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    from jaxpar.config.objectives import Objective
 
 FP32, BF16, FP16 = "float32", "bfloat16", "float16"
 FP32_TOLERANCES, HALF_TOLERANCES = (1e-5, 1e-4), (5e-3, 1e-2)  # verify's (loss, parameters) relative errors
@@ -94,7 +98,7 @@ FP32_TIE_TOLERANCE, REDUCED_GRAD_TIE_TOLERANCE, HALF_TIE_TOLERANCE = 2.0 ** -19,
 # expert=2). The same layout against bf16 GEMMs on one device: 1.5e-2 after 3 steps, 3.3e-2 after 10, where
 # against its fp8 reference it stays at 1.2e-2. Since the first step learns, 5 steps reach 2.3e-2 on the weights
 # where the updates agree to 0.14: fp8's weights are reported, and its updates judged (above).
-# The loss stays at 5e-4 but for DPO and SimPO (MARGIN_OBJECTIVES, below), whose loss is a function of a margin.
+# The loss stays at 5e-4 but for DPO and SimPO (a margin's objectives: FP8_MARGIN_LOSS, below).
 FP8_TOLERANCES = (5e-4, 1.5e-2)
 # fp8 against its fp8 reference differs by about half of what fp8 itself does to the gradients (the rounding flips
 # above), so a layout whose GEMMs lost fp8, or quantize by other scales, differs from the reference by no more than a
@@ -117,7 +121,7 @@ FP8_ROUNDING_SHARE = (0.85, 1.25)
 # at the first step, where the weights are the same, and 1.2e-3; SimPO on data=8 5.6e-4 (issue 63). 2.5e-3. The
 # catalog's "DPO pairs weighed per shard" measured 8.9e-4 (3 steps) and 1.05e-3 (5): within what clean runs reach,
 # a blind spot of the fp8 comparison (at 5e-4, where it used to fail, the clean layout failed as well).
-MARGIN_OBJECTIVES, FP8_MARGIN_LOSS = ("dpo", "simpo"), 2.5e-3
+FP8_MARGIN_LOSS = 2.5e-3
 # Both blind spots above are bugs of the layout's own code (2BW's weight version, DPO's row weights), which runs the
 # same in every precision, whose signal fp8's rounding is as large as. verify therefore also verifies an fp8 layout
 # with train.precision=fp32 (`logic_precision`), at fp32's tolerances, where both fail (measured at 5 steps: 2BW's
@@ -177,14 +181,14 @@ class PrecisionPolicy:
     # first step and after (FP8_ROUNDING_SHARE); None: not gauged
     rounding_gauge: str | None = None
     rounding_share: tuple[float, float] = (float("inf"), float("inf"))
-    margin_loss_tolerance: float | None = None  # MARGIN_OBJECTIVES' loss tolerance where it differs from the others'
+    margin_loss_tolerance: float | None = None  # a margin's objective's loss tolerance (Objective.margin), if other
     # the train.precision in which verify also verifies the layout (fp8: fp32, where a bug of the layout's code cannot
     # hide under the policy's rounding); None: the policy's own comparison only
     logic_precision: str | None = None
 
-    def loss_tolerance(self, objective: str) -> float:
-        """verify's loss tolerance for a run of train.objective=`objective`."""
-        if objective in MARGIN_OBJECTIVES and self.margin_loss_tolerance is not None:
+    def loss_tolerance(self, objective: Objective) -> float:
+        """verify's loss tolerance for a run of `objective` (jaxpar.config.objectives)."""
+        if objective.margin and self.margin_loss_tolerance is not None:
             return self.margin_loss_tolerance
         return self.tolerances[0]
 

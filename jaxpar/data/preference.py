@@ -16,11 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar.config.objectives import Objective
 from jaxpar.config.sources import parse_mixture
 from jaxpar.data.token_folder import is_token_folder, read_meta
 from jaxpar.errors import DataError
-
-PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo")  # the objectives that train on pairs
 
 
 def is_preference_folder(source: str) -> bool:
@@ -38,18 +37,18 @@ def is_preference_data(data) -> bool:
     return all(is_preference_folder(source) for source in data_sources(data))
 
 
-def check_preference_source(data, objective: str) -> None:
-    """The data fit train.objective and data.packing: the preference objectives (dpo, simpo, orpo)
-    need preference folders, sft needs none, and pairs need data.packing=pack; raises DataError."""
+def check_preference_source(data, objective: Objective) -> None:
+    """The data fit train.objective and data.packing: the objectives that train on pairs (dpo, simpo,
+    orpo) need preference folders, the others none, and pairs need data.packing=pack; raises DataError."""
     sources = data_sources(data)
     pairs = [source for source in sources if is_preference_folder(source)]
-    if objective in PREFERENCE_OBJECTIVES and len(pairs) < len(sources):
+    if objective.trains_pairs and len(pairs) < len(sources):
         plain = next(source for source in sources if source not in pairs)
-        raise DataError(f"train.objective={objective} trains on preference pairs, and '{plain}' is not a folder that "
-                        f"`jaxpar tokenize --preference` wrote.")
-    if objective not in PREFERENCE_OBJECTIVES and pairs:
+        raise DataError(f"train.objective={objective.name} trains on preference pairs, and '{plain}' is not a folder "
+                        f"that `jaxpar tokenize --preference` wrote.")
+    if not objective.trains_pairs and pairs:
         raise DataError(f"'{pairs[0]}' holds preference pairs (chosen, then rejected), which train.objective="
-                        f"{objective} would learn both of; train it with train.objective=dpo, simpo or orpo.")
+                        f"{objective.name} would learn both of; train it with train.objective=dpo, simpo or orpo.")
     if pairs:
         check_pair_packing(pairs[0], data.packing)
 

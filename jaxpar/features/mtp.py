@@ -4,6 +4,7 @@ and what it does not combine with yet."""
 from __future__ import annotations
 
 from jaxpar.config import Config
+from jaxpar.config.objectives import objective_of
 from jaxpar.features.feature import Checks, Switch
 
 SWITCHES: tuple[Switch, ...] = ()  # it changes what the model learns, not how a layout splits it
@@ -18,7 +19,7 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
     if mtp.depth >= m.seq_len:
         yield (f"model.mtp.depth={mtp.depth} predicts tokens past the model.seq_len={m.seq_len} positions of a row; "
                f"it must be less than model.seq_len.")
-    clash = {"data.packing": cfg.data.packing != "none", "train.objective": cfg.train.objective != "sft",
+    clash = {"data.packing": cfg.data.packing != "none", "train.objective": not objective_of(cfg).plain,
              "mesh.context": sizes["context"] > 1}
     for key, clashes in clash.items():
         if clashes:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from jaxpar.config import Config, precision
+from jaxpar.config.objectives import objective_of
 from jaxpar.config.parallel import ZeroStage
 from jaxpar.features.feature import Checks, Switch, axis, never
 
@@ -91,6 +92,6 @@ def _two_bw_checks(cfg: Config) -> Checks:
     if ZeroStage(cfg.parallel.zero).slices_replicated_weights:
         yield ("parallel.zero=2 has each layer read the whole of one version of the weights, but a 2bw step runs "
                "two; use parallel.zero=1 or 3.")
-    if cfg.train.objective == "grpo":
+    if objective_of(cfg).samples:
         yield ("train.objective=grpo samples each batch from the current weights, which under 2bw trail the "
                "batches by a step; use another schedule, such as 1f1b.")

@@ -5,6 +5,7 @@ runs on meshes without stages or context parallelism)."""
 from __future__ import annotations
 
 from jaxpar.config import Config
+from jaxpar.config.objectives import objective_of
 from jaxpar.config.rl import RLConfig
 from jaxpar.features.feature import Checks, Switch
 
@@ -13,7 +14,7 @@ SWITCHES: tuple[Switch, ...] = ()  # the objective changes what trains, not how 
 
 def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
     rl, t = cfg.rl, cfg.train
-    if t.objective != "grpo":
+    if not objective_of(cfg).samples:
         if rl != RLConfig():
             yield "the rl section is set but train.objective is not grpo; set train.objective=grpo."
         return

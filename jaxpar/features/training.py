@@ -15,6 +15,7 @@ When the logits are no larger than the hidden states, the count is 1: chunks wou
 from __future__ import annotations
 
 from jaxpar.config import Config
+from jaxpar.config.objectives import objective_of
 from jaxpar.features.data import routed_tokens_per_device
 from jaxpar.features.feature import Checks, Switch, unless
 
@@ -50,11 +51,11 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
 
 def _objective(cfg: Config) -> Checks:
     """train.objective's settings; DPO's reference is the model with its adapters off (jaxpar.train.preference)."""
-    t = cfg.train
-    if t.objective == "dpo" and not cfg.model.lora.enabled:
-        yield ("train.objective=dpo takes its reference from the base model with the adapters off, so it needs "
-               "model.lora.rank > 0 (a reference pass stored beside the tokens is not built yet).")
-    if t.objective != "sft" and t.preference.beta <= 0:
+    t, objective = cfg.train, objective_of(cfg)
+    if objective.reference_without_adapters and not cfg.model.lora.enabled:
+        yield (f"train.objective={objective.name} takes its reference from the base model with the adapters off, so "
+               "it needs model.lora.rank > 0 (a reference pass stored beside the tokens is not built yet).")
+    if not objective.plain and t.preference.beta <= 0:
         yield f"train.preference.beta must be positive, got {t.preference.beta}."
 
 

@@ -11,6 +11,7 @@ as windows of one document each.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
@@ -27,7 +28,9 @@ from jaxpar.model.segments import Segments
 from jaxpar.parallel.context import device_order
 from jaxpar.parallel.hooks import eval_hooks
 from jaxpar.parallel.layout import Layout
-from jaxpar.parallel.pipeline_plan import PipelinePlan
+
+if TYPE_CHECKING:  # annotations only: the chain of module-level imports stays short
+    from jaxpar.parallel.pipeline_plan import PipelinePlan
 
 
 def compute_model(graphdef: nnx.GraphDef, params: nnx.State, precision: PrecisionPolicy, hooks=None) -> nnx.Module:

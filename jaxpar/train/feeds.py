@@ -4,6 +4,7 @@ or for train.objective=grpo a batch of completions sampled from the current weig
 
 from __future__ import annotations
 
+from jaxpar.config.objectives import objective_of
 from jaxpar.rl.rollout import Rollouts, Scoring
 from jaxpar.sampling.command import stop_ids
 from jaxpar.session import Session
@@ -69,4 +70,4 @@ class RolloutFeed:
 
 def feed_for(session: Session, trainer: Trainer):
     """The step's batches for this run's objective."""
-    return RolloutFeed(session, trainer) if session.cfg.train.objective == "grpo" else WindowFeed(session, trainer)
+    return RolloutFeed(session, trainer) if objective_of(session.cfg).samples else WindowFeed(session, trainer)

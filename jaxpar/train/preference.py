@@ -129,19 +129,20 @@ def _orpo(cfg: PreferenceConfig, policy: PairLogProbs) -> dict[str, jax.Array]:
             "nll": nll}
 
 
+# Each preference objective's per-pair terms from (settings, the policy's sums, the reference's sums or None).
+PAIR_LOSSES = {
+    "dpo": _dpo,
+    "simpo": lambda cfg, policy, reference: _simpo(cfg, policy),  # reference-free
+    "orpo": lambda cfg, policy, reference: _orpo(cfg, policy),  # reference-free
+}
+
+
 def preference_losses(objective: str, cfg: PreferenceConfig, policy: PairLogProbs,
                       reference: PairLogProbs | None) -> dict[str, jax.Array]:
     """Per-pair (B, P) fp32 arrays: loss, reward_chosen, reward_rejected (and nll for orpo), each 0
     where the pair is not valid, so that a sum over pairs divided by the valid count is the mean.
     reference: the reference model's sums, needed by dpo only (simpo and orpo are reference-free)."""
-    if objective == "dpo":
-        out = _dpo(cfg, policy, reference)
-    elif objective == "simpo":
-        out = _simpo(cfg, policy)
-    elif objective == "orpo":
-        out = _orpo(cfg, policy)
-    else:
-        raise ValueError(f"unknown preference objective {objective!r} (dpo, simpo or orpo)")
+    out = PAIR_LOSSES[objective](cfg, policy, reference)
     valid = policy.valid
     return {name: jnp.where(valid, value.astype(jnp.float32), 0.0) for name, value in out.items()}
 

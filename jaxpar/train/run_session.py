@@ -9,6 +9,7 @@ import dataclasses
 import functools
 
 from jaxpar.config import Config
+from jaxpar.config.objectives import objective_of
 from jaxpar.config.sources import parse_mixture
 from jaxpar.data.corpus import load_tokens, split_tokens
 from jaxpar.data.loader import BatchSampler
@@ -30,9 +31,10 @@ class RunSession(Session):
     @functools.cached_property
     def _samplers(self) -> tuple:
         m, t, d = self.cfg.model, self.cfg.train, self.cfg.data
-        if t.objective == "grpo":  # prompts, sampled and scored every step: no held-out windows
+        objective = objective_of(self.cfg)
+        if objective.samples:  # prompts, sampled and scored every step: no held-out windows
             return PromptSet.load(self.cfg, self.codec), None
-        check_preference_source(d, t.objective)  # pairs for a preference objective, and only for one
+        check_preference_source(d, objective)  # pairs for a preference objective, and only for one
         if self.mixture:
             return mixture_samplers(self.mixture, d, m, t)
         if d.packing != "none":
@@ -52,7 +54,7 @@ class RunSession(Session):
     @functools.cached_property
     def reward(self) -> Reward | None:
         """train.objective=grpo's reward function (jaxpar.rl.rewards), imported and checked; else None."""
-        return load_reward(self.cfg.rl) if self.cfg.train.objective == "grpo" else None
+        return load_reward(self.cfg.rl) if objective_of(self.cfg).samples else None
 
     @property
     def train_data(self):

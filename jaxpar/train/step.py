@@ -7,8 +7,6 @@ target's cross-entropy reduces to: its mean (sft), a preference loss over the ro
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
@@ -28,42 +26,27 @@ from jaxpar.laid_out.forward import (
     logits_losses,
     mean_loss,
     run_blocks,
-    target_losses,
     whole_logits,
 )
-from jaxpar.model.adapters import trainable, with_frozen, without_adapters, zero_grad
-from jaxpar.model.axes import layout_hooks
+from jaxpar.model.adapters import trainable, with_frozen, zero_grad
 from jaxpar.model.moe_step import ExpertTerms
 from jaxpar.model.mtp import mtp_loss, mtp_weight
 from jaxpar.model.protocol import is_block_model
 from jaxpar.parallel.gradients import gradients
-from jaxpar.parallel.hooks import eval_hooks
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.pipeline import StageFns
 from jaxpar.parallel.pipeline_plan import PipelinePlan
-from jaxpar.rl import grpo
 from jaxpar.train.loss_scale import all_finite, unless_skipped
+from jaxpar.train.objectives import training_objective
 from jaxpar.train.offload import Placement, offloaded_update
 from jaxpar.train.optim import Optimizer
-from jaxpar.train.preference import batch_objective, weighted_pairs
 from jaxpar.train.remat import layer_scan
 from jaxpar.train.state import TrainState
 
 
-def _reduction(cfg: Config) -> Callable:
-    """reduce(losses_BL, batch) -> (loss, stats): what each target's cross-entropy becomes under
-    train.objective: the mean (sft), the preference loss over the rows' pairs, or GRPO's clipped policy
-    objective over the rows' completions (jaxpar.rl.grpo), with their metrics."""
-    t = cfg.train
-    if t.objective == "sft":
-        return mean_loss
-    if t.objective == "grpo":
-        return functools.partial(grpo.batch_objective, cfg.rl)
-    return functools.partial(batch_objective, t.objective, t.preference)
-
-
 def _loss_stats(logits_BLV: jax.Array, batch: PackedRows, reduce: Callable = mean_loss) -> tuple[jax.Array, dict]:
-    """reduce (mean_loss: the mean cross-entropy; _reduction) of the logits' per-target cross-entropy."""
+    """reduce (mean_loss: the mean cross-entropy; or an objective's: jaxpar.train.objectives) of the logits'
+    per-target cross-entropy."""
     return reduce(logits_losses(logits_BLV, batch), batch)
 
 
@@ -89,9 +72,9 @@ def objective(model: nnx.Module, batch: PackedRows, rows: RowInputs, cfg: Config
     block protocol (jaxpar.model.protocol) is called whole.
     """
     if not is_block_model(model):
-        return _loss_stats(whole_logits(model, batch), batch, _reduction(cfg))
+        return _loss_stats(whole_logits(model, batch), batch, training_objective(cfg).reduction())
     x_BLD, routing = run_blocks(model, embedded(model, batch), scan, None, rows)
-    loss, stats = _head_stats(model, x_BLD, batch, cfg.train.loss_chunks, _reduction(cfg))
+    loss, stats = _head_stats(model, x_BLD, batch, cfg.train.loss_chunks, training_objective(cfg).reduction())
     if not routing:
         return loss, stats
     aux, sums = experts.objective_terms(routing)
@@ -104,17 +87,17 @@ def stage_fns(graphdef: nnx.GraphDef, hooks, cfg: Config, precision: PrecisionPo
     t = cfg.train
     scan = layer_scan(t.remat, hooks, t.offloads_activations)
     model = lambda p: compute_model(graphdef, p, precision, hooks)  # noqa: E731
-    reduce = _reduction(cfg)
+    objective = training_objective(cfg)
+    reduce = objective.reduction()
 
     def layers(p, x_bLD, layer_ids, rows_b: RowInputs):
         x_bLD, routing = run_blocks(model(p), x_bLD, scan, layer_ids, rows_b)
         aux, sums = experts.objective_terms(routing)
         return (x_bLD, aux * scale), sums
 
-    def head_loss(p, x_bLD, tokens_bT):  # the loss alone for sft; a preference objective's metrics too
+    def head_loss(p, x_bLD, tokens_bT):
         loss, stats = _head_stats(model(p), x_bLD, tokens_bT, t.loss_chunks, reduce)
-        reported = {k: v for k, v in stats.items() if k != "loss" and (t.objective != "sft" or k == "mtp_loss")}
-        return loss * scale, reported
+        return loss * scale, objective.head_metrics(stats)
 
     return StageFns(
         cast=precision.cast_to_compute,
@@ -184,31 +167,6 @@ def _gradient_fn(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: 
     return accumulated if pipeline.table is None else pipelined
 
 
-def _preparation(graphdef: nnx.GraphDef, cfg: Config, layout: Layout, pipeline: PipelinePlan,
-                 precision: PrecisionPolicy) -> Callable:
-    """prepare(params, batch) -> the batch as the gradient takes it: its counted targets weighted
-    (PackedRows.weighted) for sft; for a preference objective its rows weighted by their valid pairs
-    (jaxpar.train.preference.weighted_pairs) and, for dpo, each target's log-probability under the
-    reference (the model with every adapter's B zeroed) in reference_BL, computed before and outside
-    the gradient the way evaluation computes its loss, in the targets' order."""
-    t = cfg.train
-    if t.objective == "sft":
-        return lambda params, batch: batch.weighted()
-    if t.objective == "grpo":  # the rollout carries its log-probabilities (jaxpar.rl.rollout.Scoring)
-        return lambda params, batch: batch
-
-    def prepare(params, batch: PackedRows) -> PackedRows:
-        batch = weighted_pairs(batch)
-        if t.objective != "dpo":
-            return batch
-        reference = without_adapters(pipeline.to_model_order(params))
-        with layout_hooks(eval_hooks(layout)):
-            losses_BL = target_losses(graphdef, reference, batch, precision, t.loss_chunks)
-        return dataclasses.replace(batch, reference_BL=jax.lax.stop_gradient(-losses_BL))
-
-    return prepare
-
-
 def _updated(optimizer: Optimizer, state: TrainState, grads, finite, layout: Layout, offloads: bool):
     """(new parameters, new optimizer state): the optimizer's update, from pinned host memory (layer by
     layer) and back when the state is offloaded; the old ones, bit for bit, where `finite` is False."""
@@ -239,7 +197,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
                                 keyed_rows=cfg.model.lora.dropout > 0,
                                 moe_per_unit=cfg.model.moe_blocks_per_unit)
     grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision, experts)
-    prepare = _preparation(graphdef, cfg, layout, pipeline, precision)
+    prepare = training_objective(cfg).preparation(graphdef, layout, pipeline, precision)
     checks_finite = precision.loss_scaling or t.on_nonfinite == "skip"
 
     def train_step(state: TrainState, batch, replay_BULE: jax.Array | None = None):

@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec
 
 import jaxpar.train.local_sgd as local_sgd
 from jaxpar.config.sources import parse_mixture
-from jaxpar.data.packed_rows import PackedRows
 from jaxpar.laid_out.forward import make_eval_step
 from jaxpar.laid_out.model import LaidOutModel
 from jaxpar.model.adapters import trainable
@@ -29,6 +28,7 @@ from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.pipeline_plan import PipelinePlan
 from jaxpar.session import Session
 from jaxpar.train.loss_scale import LossScale
+from jaxpar.train.objectives import training_objective
 from jaxpar.train.optim import Optimizer
 from jaxpar.train.state import TrainState
 from jaxpar.train.step import make_train_step
@@ -193,17 +193,8 @@ class Trainer(LaidOutModel):
         """The shapes, dtypes and sharding of one step's batch: a token array, or packed rows (GRPO's
         with each completion's advantage and log-probabilities: jaxpar.rl.rollout)."""
         shape = (self.cfg.train.batch_size, self.cfg.model.seq_len + 1)
-        one = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
-        if self.cfg.train.objective == "grpo":
-            per_row = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=self.batch_sharding)
-            per_target = jax.ShapeDtypeStruct((shape[0], shape[1] - 1), jnp.float32, sharding=self.batch_sharding)
-            reference = per_target if self.cfg.rl.kl_beta > 0 else None
-            return PackedRows(one, one, one, one, reference_BL=reference, sampled_BL=per_target, advantages_B=per_row)
-        if self.cfg.data.packing == "none":
-            return one
         sources = len(parse_mixture(self.cfg.data.mixture))
-        source_B = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=self.batch_sharding) if sources else None
-        return PackedRows(one, one, one, one, source_B=source_B, sources=sources)
+        return training_objective(self.cfg).abstract_batch(shape, self.batch_sharding, sources)
 
     def compile_step(self, compiler_options: dict | None = None):
         """Lower and compile the train step without running it (for plans and HLO checks)."""

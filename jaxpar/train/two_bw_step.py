@@ -27,9 +27,10 @@ from jaxpar.parallel.gradients import carry_spec, window_gradients
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.pipeline_plan import PipelinePlan
 from jaxpar.train.loss_scale import all_finite, unless_skipped
+from jaxpar.train.objectives import training_objective
 from jaxpar.train.optim import Optimizer
 from jaxpar.train.state import InFlight, TrainState
-from jaxpar.train.step import RowInputs, _preparation, _updated, in_device_order, pipelined_loss, stage_fns
+from jaxpar.train.step import RowInputs, _updated, in_device_order, pipelined_loss, stage_fns
 
 
 def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, layout: Layout,
@@ -43,7 +44,7 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
     experts = ExpertTerms.build(cfg.model.moe, t.seed, cfg.model.n_layers, layout.manual_batch_ways * M,
                                 trace_routing, keyed_rows=cfg.model.lora.dropout > 0,
                                 moe_per_unit=cfg.model.moe_blocks_per_unit)
-    prepare = _preparation(graphdef, cfg, layout, pipeline, precision)
+    prepare = training_objective(cfg).preparation(graphdef, layout, pipeline, precision)
     checks_finite = t.on_nonfinite == "skip"
 
     def grad_fn(hooks, stale, params, batches, carry, scale, live, has_current):

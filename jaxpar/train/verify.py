@@ -18,6 +18,7 @@ import numpy as np
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 from jaxpar.config import Config, RunConfig
+from jaxpar.config.objectives import Objective, objective_of
 from jaxpar.config.precision import of as policy_of
 from jaxpar.features import reference_overrides
 from jaxpar.interop.checkpoint_files import flat_by_path
@@ -33,12 +34,11 @@ from jaxpar.train.verify_local import verify_local
 # Five steps: four updates each followed by a compared loss, and a fifth whose update the weights show. The
 # first already learns (jaxpar.train.optim.lr_schedule), so every step is one verify can judge.
 DEFAULT_STEPS = 5
-# The objectives whose gradients are differences of similar terms (GRPO's advantages sum to zero in each
-# group): an element's gradient can be rounding on both sides, and Adam still moves it a whole step, so its
+# The objectives whose gradients are differences of similar terms (GRPO's, which samples: its advantages sum to
+# zero in each group): an element's gradient can be rounding on both sides, and Adam still moves it a whole step, so its
 # direction is a near-tie (jaxpar.train.update_ties). LoRA's adapters have them too: after one Adam step every
 # element of B is +-lr, so A's gradient is a signed sum of equal terms (measured: A of the keys' adapter at
 # step 2 differed by 1.8e-4 of itself in fp32, its update by 2.2e-3). Other runs have none: every element counts.
-NEAR_TIE_OBJECTIVES = ("grpo",)
 # LoRA's A matrices in reduced precisions: while B is Adam's sign pattern, A's gradient is a signed sum of equal
 # terms, rounded as bf16 rounds each of them. Measured on the sweep's draws (tests/test_verify_sweep.py): bf16
 # gradients up to 0.18 and updates 0.28 (draw 16), fp32 with bf16 reductions 0.13 and 0.15 (draw 13), fp8 updates
@@ -55,7 +55,7 @@ KEPT_SINGLE_DEVICE = 4
 
 def has_near_ties(cfg) -> bool:
     """Whether verify judges Adam's near-ties apart for this run: GRPO's, or LoRA adapters'."""
-    return cfg.train.objective in NEAR_TIE_OBJECTIVES or cfg.model.lora.enabled
+    return objective_of(cfg).samples or cfg.model.lora.enabled
 
 
 def reference_config(cfg):
@@ -154,7 +154,7 @@ def _batches(session: Session, layout: Trainer, reference: Trainer, gather):
     """batches(index, state, ref_state) -> step index's batch for each side: the same windows, or for GRPO
     the same completions (sampled by the layout, replayed to the reference), each side scoring them with
     its own weights (and the same frozen reference policy)."""
-    if session.cfg.train.objective != "grpo":
+    if not objective_of(session.cfg).samples:
         sampler = session.train_data
 
         def windows(index, state, ref_state):
@@ -219,7 +219,7 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
     shares = []  # each step's rounding_share (with a gauge)
     # GRPO's loss is a mean of terms of order 1 (the advantages have unit spread in each group) that cancel
     # to about 0 where the ratio is 1: its error is measured against that order, not against the near-0 sum
-    loss_floor = 1.0 if cfg.train.objective == "grpo" else 1e-30
+    loss_floor = 1.0 if objective_of(cfg).samples else 1e-30
     # 2BW's step completes the previous one (its metrics and update) and a drain the last: the reference trails
     waiting, lag = [], int(layout.lags)
     replays = (None,) if routing is not None and not lag else ()  # a traced step's decisions to replay: none
@@ -249,8 +249,8 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
             f"  grad norm {norms[0][-1]:.6g}  reference {norms[1][-1]:.6g}")
 
     params, ref_params = jax.device_get((gather(layout.to_model_order(state.params)), ref_state.params))
-    verdict = _judge(policy, policy.loss_tolerance(cfg.train.objective), loss_errors, norms, grad_errors, _flat(params),
-                     _flat(ref_params), initial, ties, _judged_shares(cfg.train.objective, shares))
+    verdict = _judge(policy, policy.loss_tolerance(objective_of(cfg)), loss_errors, norms, grad_errors, _flat(params),
+                     _flat(ref_params), initial, ties, _judged_shares(objective_of(cfg), shares))
     for check, (values, bound) in (routing.judged() if routing else {}).items():
         verdict.add(check, values, bound)
     result = {"layout": session.layout_name(), "steps": cfg.train.steps, **verdict.report()}
@@ -259,12 +259,12 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
     return {"ok": verdict.ok, **result, **(routing.report() if routing else {})}
 
 
-def _judged_shares(objective: str, shares: list[float]) -> list[float]:
+def _judged_shares(objective: Objective, shares: list[float]) -> list[float]:
     """The rounding shares verify judges: every step's, but GRPO's first only. After it the gauge takes its gradient
     at the reference's weights, from which GRPO's layout has parted by its near-ties' whole Adam steps (taken either
     way by rounding: jaxpar.train.update_ties), not by fp8's rounding: tests/fault_catalog.py's clean GRPO layout
     measured 1.6-2.4 there, and 0.77 at the first step."""
-    return shares[:1] if objective in NEAR_TIE_OBJECTIVES else shares
+    return shares[:1] if objective.samples else shares
 
 
 def _judged_gradients(gradients: dict, ref_gradients: dict, gauged: dict | None, policy):
