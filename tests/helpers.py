@@ -45,18 +45,20 @@ def train_here(capsys, run_dir: Path, *overrides: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def steps_saved(cfg, steps: int, lags: bool = False) -> list[int]:
+def steps_saved(cfg, steps: int, finished_after: bool = False) -> list[int]:
     """The steps a run of `steps` steps under `cfg` checkpoints (jaxpar.train.saves.Saves, with nothing
-    saved for real), its trainer's steps lagging by one (2BW) or not."""
+    saved for real), its last step finished after it (2BW's drain: jaxpar.train.pacing.OneBehind) or not."""
     from types import SimpleNamespace
 
+    from jaxpar.train.pacing import InStep, OneBehind
     from jaxpar.train.saves import Saves
 
     written = []
     checkpoints = SimpleNamespace(save=lambda step, state, trainer: written.append(step))
     local = SimpleNamespace(every=0, due=lambda step: False)
     timeline = SimpleNamespace(save=lambda step, seconds, kind: None)
-    saves = Saves(cfg, SimpleNamespace(lags=lags), checkpoints, local, timeline, lambda seconds: None)
+    pacing = OneBehind(drain=None) if finished_after else InStep()
+    saves = Saves(cfg, SimpleNamespace(pacing=pacing), checkpoints, local, timeline, lambda seconds: None)
     for step in range(1, steps + 1):
         if saves.due(step, stopping=False):
             saves.save(step, None, stopping=False)

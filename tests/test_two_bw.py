@@ -131,7 +131,7 @@ def test_resume_from_between_any_two_steps_is_exact(tmp_path):
         for index in range(start, steps):
             state, metrics = trainer.step(state, trainer.put_windows(sampler, sampler.starts(index)))
             losses.append(float(metrics["loss"]) if bool(metrics["completed"]) else None)
-        state, metrics = trainer.drain(state)
+        state, metrics = trainer.pacing.finish(state)
         return losses + [float(metrics["loss"])], flat_by_path(jax.device_get(state.params))
 
     whole_losses, whole_params = run(trainer.init(), 0)
@@ -159,7 +159,7 @@ def test_the_last_save_waits_for_the_drain(overrides, saved):
     drained state's, made once after the drain."""
     from jaxpar.config import Config
 
-    assert steps_saved(Config().replace(**overrides).replace(**{"train.steps": 6}), 6, lags=True) == saved
+    assert steps_saved(Config().replace(**overrides).replace(**{"train.steps": 6}), 6, finished_after=True) == saved
 
 
 @pytest.mark.slow
@@ -211,7 +211,7 @@ def test_a_drained_run_trained_further_goes_on_as_if_never_drained(tmp_path):
         for index in indices:
             state, metrics = trainer.step(state, trainer.put_windows(sampler, sampler.starts(index)))
             losses.append(float(metrics["loss"]) if bool(metrics["completed"]) else None)
-        state, metrics = trainer.drain(state)
+        state, metrics = trainer.pacing.finish(state)
         return state, losses + [float(metrics["loss"])]
 
     whole, whole_losses = steps(trainer.init(), range(5))

@@ -40,17 +40,10 @@ from jaxpar.config import flatten_dict
 from jaxpar.errors import RunFailed
 from jaxpar.interop.checkpoint_files import PARAMS, brief_error, flat_by_path, is_damage, nest_by_path
 from jaxpar.runtime import distributed
-from jaxpar.train.checkpoint_fit import (
-    IN_FLIGHT,
-    STALE,
-    CheckpointMismatch,
-    check_compatible,
-    drop_idle_flight,
-    in_flight_fits,
-    state_spec,
-)
+from jaxpar.train.checkpoint_fit import CheckpointMismatch, check_compatible, state_spec
 from jaxpar.train.loss_scale import LossScale
-from jaxpar.train.state import TrainState
+from jaxpar.train.pacing import drop_idle_flight, in_flight_fits
+from jaxpar.train.state import IN_FLIGHT, STALE, TrainState
 
 
 class RestoreFailed(RunFailed):

@@ -1,21 +1,19 @@
 """Whether a checkpoint fits a config, and the path-keyed view of a state that checkpoints are saved in:
 what must match (the model's shape, optimizer, seed, the arrays), and what may come and go with the
-layout (2BW's stale weights, and what it has in flight unless a step is)."""
+layout (the state's optional parts, jaxpar.train.state.OPTIONAL_PARTS)."""
 
 from __future__ import annotations
-
-import jax
 
 from jaxpar.config import Config
 from jaxpar.errors import UserError
 from jaxpar.interop.checkpoint_files import flat_by_path
+from jaxpar.train.state import OPTIONAL_PARTS
 
 
 class CheckpointMismatch(UserError):
     """A checkpoint that cannot be restored into this config (another model shape, optimizer or seed)."""
 
 
-STALE, IN_FLIGHT = "stale_params/", "in_flight/"
 
 
 def state_spec(state) -> dict[str, list]:
@@ -52,30 +50,12 @@ def check_compatible(meta: dict, cfg: Config, abstract_state, where: str) -> Non
         here = ", ".join(f"{k}={_config_value(now, k)}" for k in differ)
         raise CheckpointMismatch(f"the checkpoint at step {meta['step']} in {where} was written with {then} but this "
                                  f"config has {here}; resume with the same values or use another run.dir.")
-    # 2BW's stale weights and what it has in flight may come and go with the layout (a step in flight may
-    # not: _restore_state); everything else must be there.
-    expected = {k: v for k, v in state_spec(abstract_state).items() if not k.startswith((STALE, IN_FLIGHT))}
-    saved_spec = {k: v for k, v in meta["spec"].items() if not k.startswith((STALE, IN_FLIGHT))}
+    # the state's optional parts may come and go with the layout (where they may not, the strategy that
+    # keeps them says so when restoring); everything else must be there
+    expected = {k: v for k, v in state_spec(abstract_state).items() if not k.startswith(OPTIONAL_PARTS)}
+    saved_spec = {k: v for k, v in meta["spec"].items() if not k.startswith(OPTIONAL_PARTS)}
     if saved_spec != expected:
         key = next(k for k in sorted(set(expected) | set(saved_spec)) if saved_spec.get(k) != expected.get(k))
         raise CheckpointMismatch(f"the checkpoint at step {meta['step']} in {where} holds a different training state "
                                  f"than this config builds (first difference: {key} is {saved_spec.get(key)} "
                                  f"there and {expected.get(key)} here); use another run.dir.")
-
-
-def in_flight_fits(saved: dict[str, list], expected: dict[str, list]) -> bool:
-    """Whether what a 2BW run saved in flight is what this layout carries, array for array."""
-    def flight(spec):
-        return {k: v for k, v in spec.items() if k.startswith(IN_FLIGHT)}
-    return flight(saved) == flight(expected)
-
-
-def drop_idle_flight(arrays: dict, step: int, where) -> None:
-    """Leave out what a 2BW run saved in flight, unless a step is in flight: that only a layout that carries
-    the same can finish."""
-    if IN_FLIGHT + "live" in arrays and bool(jax.device_get(arrays[IN_FLIGHT + "live"])):
-        raise CheckpointMismatch(f"the checkpoint at step {step} in {where} holds a 2bw step in flight, which "
-                                 f"only the layout that saved it can finish; resume with that layout (its mesh "
-                                 f"and parallel.pipeline settings), or from a checkpoint of a finished run.")
-    for key in [k for k in arrays if k.startswith(IN_FLIGHT)]:
-        del arrays[key]

@@ -156,7 +156,7 @@ class _StepLog:
         packing_efficiency, the share of token slots holding document tokens, which tokens/s counts
         alone; a mixture's share/<folder>); `scores`: the tasks' metrics (train.eval_tasks)."""
         values = {k: v.tolist() for k, v in jax.device_get(metrics).items()}  # scalars, or lists (per expert)
-        values.pop("completed", None)  # 2BW: whether a step completed the previous one (jaxpar.train.two_bw_step)
+        values.pop("completed", None)  # the pacing's own, not a metric (jaxpar.train.pacing)
         if val_losses is not None:
             values.update(validation_metrics(val_losses, self.session))
         values.update(scores or {})
@@ -211,7 +211,7 @@ def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, 
     t = session.cfg.train
     stopped_by, step = None, start
     agreement = StopAgreement()  # every process of a multi-process run stops at the same step
-    feed = feed_for(session, trainer)
+    feed, pace = feed_for(session, trainer), trainer.pacing
     with StopSignals() as signals:
         pending, previous_rows = None, {}
         for index in range(start, t.steps):
@@ -220,17 +220,14 @@ def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, 
             if pending is not None:
                 log.finish(*pending)
             step = index + 1
-            # 2BW: a step completes the previous one (its metrics and update), and its own batch stays in flight
-            done = step - trainer.lags
-            if trainer.lags and index == start and not jax.device_get(metrics["completed"]):
-                done = 0  # the first step after a start or a drain only fills the pipeline
+            done = pace.logged(step, index == start, metrics)  # the step whose metrics these are (0: none)
             # dispatched now, on the weights of step `done`; read with its metrics
             val = validation_losses(trainer, state.params, session) if done and _evaluated(done, t) else None
             scores = _task_scores(evals, log, state, done)
-            pending = (done, metrics, val, previous_rows if trainer.lags else rows, scores) if done else None
+            pending = (done, metrics, val, pace.rows(rows, previous_rows), scores) if done else None
             previous_rows = rows
             stopping = agreement.should_stop(step, signals.received is not None)
-            stopping = stopping and not (trainer.lags and step == t.steps)  # 2BW: the drain finishes the run
+            stopping = stopping and not (pace.finishes and step == t.steps)  # then `finish` ends the run
             if saves.due(step, stopping):
                 # Read this step's metrics first: only a finite step is checkpointed.
                 if pending is not None:
@@ -243,8 +240,8 @@ def _run_steps(session: Session, trainer: Trainer, saves: Saves, log: _StepLog, 
         if pending is not None:
             log.finish(*pending)
     if stopped_by is None and start < t.steps:
-        if trainer.lags:  # the drain finishes the last step: its update and metrics
-            state, metrics = trainer.drain(state)
+        state, metrics = pace.finish(state)
+        if metrics is not None:  # the last step's update and metrics came after it
             val = validation_losses(trainer, state.params, session) if _evaluated(t.steps, t) else None
             log.finish(t.steps, metrics, val, previous_rows, _task_scores(evals, log, state, t.steps))
         saves.final(t.steps, state)
@@ -278,7 +275,7 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
              f"in {where}")
     else:
         state, start = trainer.init(), 0
-    logged = trainer.completed(state, start)  # 2BW: the step in flight is logged by the next one
+    logged = trainer.pacing.completed(state, start)  # a step in flight is logged by the next one
     history = trim_metrics(metrics_path, logged, cfg) if primary else _kept_metrics(metrics_path, logged, cfg)
     sinks = MetricSinks.open(cfg, run_dir, start, primary)
     cleanup.callback(sinks.close)

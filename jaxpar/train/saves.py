@@ -39,9 +39,9 @@ class Saves:
         self.every = cfg.checkpoint.every
 
     def due(self, step: int, stopping: bool) -> bool:
-        """Whether step `step` is saved (read its metrics first: only a finite step is saved). Under 2BW
-        the last step waits for the drain after it (`final`)."""
-        if self.trainer.lags and step == self.cfg.train.steps:
+        """Whether step `step` is saved (read its metrics first: only a finite step is saved). A last step
+        that is finished after it (jaxpar.train.pacing) waits for that (`final`)."""
+        if self.trainer.pacing.finishes and step == self.cfg.train.steps:
             return False
         return stopping or self._periodic(step) or self.local.due(step)
 
@@ -56,10 +56,10 @@ class Saves:
             self._timed(step, "memory", lambda: self.local.save(step, state, meta))
 
     def final(self, step: int, state) -> None:
-        """The last step's checkpoint (checkpoint.final), unless a periodic one was just written (under
-        2BW the periodic one waited for the drain: it is this one)."""
+        """The last step's checkpoint (checkpoint.final), unless a periodic one was just written (where the
+        last step is finished after it, the periodic one waited for that: it is this one)."""
         periodic, final = self._periodic(step), self.cfg.checkpoint.final
-        if (final or periodic) if self.trainer.lags else (final and not periodic):
+        if (final or periodic) if self.trainer.pacing.finishes else (final and not periodic):
             self._timed(step, "checkpoint", lambda: self.checkpoints.save(step, state, self.trainer))
 
     def _timed(self, step: int, kind: str, save: Callable[[], None]) -> None:

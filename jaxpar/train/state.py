@@ -10,6 +10,11 @@ from flax import nnx
 
 from jaxpar.train.loss_scale import LossScale
 
+# The parts of the state that only some layouts keep, as checkpoints key them: 2BW's weights one step old,
+# and what a 2BW step leaves in flight. A checkpoint fits a layout with or without them.
+STALE, IN_FLIGHT = "stale_params/", "in_flight/"
+OPTIONAL_PARTS = (STALE, IN_FLIGHT)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -182,6 +182,36 @@ def _updated(optimizer: Optimizer, state: TrainState, grads, finite, layout: Lay
     return unless_skipped(finite, optax.apply_updates(state.params, updates), state.params), opt_state
 
 
+class UpdateTail:
+    """What every step does once it has its gradients (scaled by the loss scale): unscale them, hold MoE's
+    bias-balancing counts apart, check them finite where that is asked for, update the weights and the
+    optimizer state (where `applies`: the finite check, and for 2BW whether a step was in flight), move the
+    bias, step the loss scale, and gather the metrics. Shared by the synchronous step and 2BW's."""
+
+    def __init__(self, optimizer: Optimizer, cfg: Config, layout: Layout, pipeline: PipelinePlan,
+                 precision: PrecisionPolicy, experts: ExpertTerms, trace_gradients: bool):
+        self.optimizer, self.layout, self.pipeline, self.precision = optimizer, layout, pipeline, precision
+        self.experts, self.trace_gradients = experts, trace_gradients
+        self.offloads = cfg.train.offloads_optimizer
+        self.checks_finite = precision.loss_scaling or cfg.train.on_nonfinite == "skip"
+
+    def __call__(self, state: TrainState, stats: dict, grads, scale: jax.Array, schedule_step: jax.Array,
+                 live: jax.Array | None = None):
+        """(params, opt_state, loss_scale, metrics) after the update of the step whose learning rate is the
+        schedule's at `schedule_step`; `live` False: there was no gradient to apply (2BW's first step)."""
+        experts, optimizer = self.experts, self.optimizer
+        grads, held = experts.hold_bias(jax.tree.map(lambda g: g / scale, grads))
+        finite = all_finite(grads) if self.checks_finite else None
+        applies = finite if live is None else (live if finite is None else live & finite)
+        params, opt_state = _updated(optimizer, state, grads, applies, self.layout, self.offloads)
+        params = params if held is None else unless_skipped(applies, experts.move_bias(params, held), params)
+        loss_scale = state.loss_scale.after_step(finite, self.precision)
+        metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(schedule_step),
+                   "loss_scale": scale, "skipped_steps": loss_scale.skipped_steps, **experts.step_metrics(stats),
+                   **self.pipeline.step_metrics(), **({"gradients": grads} if self.trace_gradients else {})}
+        return params, opt_state, loss_scale, metrics
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, layout: Layout,
                     pipeline: PipelinePlan, precision: PrecisionPolicy, trace_routing: bool = False,
                     trace_gradients: bool = False):
@@ -198,7 +228,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
                                 moe_per_unit=cfg.model.moe_blocks_per_unit)
     grad_fn = _gradient_fn(graphdef, cfg, layout, pipeline, precision, experts)
     prepare = training_objective(cfg).preparation(graphdef, layout, pipeline, precision)
-    checks_finite = precision.loss_scaling or t.on_nonfinite == "skip"
+    update = UpdateTail(optimizer, cfg, layout, pipeline, precision, experts, trace_gradients)
 
     def train_step(state: TrainState, batch, replay_BULE: jax.Array | None = None):
         batch, scale = prepare(state.params, in_device_order(PackedRows.of(batch), layout)), state.loss_scale.scale
@@ -206,14 +236,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, l
         grad_params = state.stale_params if pipeline.stale_weights else state.params
         stats, grads = gradients(layout, grad_fn, grad_params, (batch, RowInputs(noise_B, batch.segments(), routing)),
                                  scale)
-        grads, held = experts.hold_bias(jax.tree.map(lambda g: g / scale, grads))
-        finite = all_finite(grads) if checks_finite else None
-        params, opt_state = _updated(optimizer, state, grads, finite, layout, t.offloads_optimizer)
-        params = params if held is None else unless_skipped(finite, experts.move_bias(params, held), params)
-        loss_scale = state.loss_scale.after_step(finite, precision)
-        metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step),
-                   "loss_scale": scale, "skipped_steps": loss_scale.skipped_steps, **experts.step_metrics(stats),
-                   **pipeline.step_metrics(), **({"gradients": grads} if trace_gradients else {})}
+        params, opt_state, loss_scale, metrics = update(state, stats, grads, scale, state.step)
         stale = state.params if pipeline.stale_weights else None
         return TrainState(state.step + 1, params, opt_state, loss_scale, stale), metrics
 

@@ -30,6 +30,7 @@ from jaxpar.session import Session
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.objectives import training_objective
 from jaxpar.train.optim import Optimizer
+from jaxpar.train.pacing import InStep, OneBehind
 from jaxpar.train.state import TrainState
 from jaxpar.train.step import make_train_step
 from jaxpar.train.two_bw_step import in_flight_specs, make_two_bw_step
@@ -51,6 +52,8 @@ class Trainer(LaidOutModel):
         self.trace_routing, self.trace_gradients = trace_routing, trace_gradients
         self._lay_out_state()
         self.step, self.eval_loss = self._compile_steps()
+        # how the steps line up with the run's (jaxpar.train.pacing): 2BW's complete the one before
+        self.pacing = OneBehind(self.step.drain) if self.pipeline.carries else InStep()
 
     def _lay_out_state(self) -> None:
         """The training state's layout and shardings, as the strategy (synchronous, local SGD) keeps it."""
@@ -103,22 +106,6 @@ class Trainer(LaidOutModel):
         window = jax.jit(self._two_bw_step(), in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
                          out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
         return WindowStep(window)
-
-    @property
-    def lags(self) -> bool:
-        """Whether a step's metrics are the previous step's and a drain finishes the run (2BW on stages)."""
-        return self.pipeline.carries
-
-    def completed(self, state, step: int) -> int:
-        """The steps whose metrics and update a state saved after `step` steps holds: under 2BW one fewer
-        while a batch is in flight."""
-        live = self.lags and state.in_flight is not None and bool(jax.device_get(state.in_flight.live))
-        return step - live
-
-    def drain(self, state):
-        """2BW: finish the microbatches the last step left in flight and apply their update; returns (the
-        state, that step's metrics). The state after it holds nothing in flight."""
-        return self.step.drain(state)
 
     def initial_state(self, params) -> TrainState:
         """The state around `params` (model order; traced): optimizer and loss-scale state, 2BW's

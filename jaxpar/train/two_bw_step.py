@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jaxpar.config import Config
@@ -26,11 +25,11 @@ from jaxpar.model.moe_step import ExpertTerms
 from jaxpar.parallel.gradients import carry_spec, window_gradients
 from jaxpar.parallel.layout import Layout
 from jaxpar.parallel.pipeline_plan import PipelinePlan
-from jaxpar.train.loss_scale import all_finite, unless_skipped
+from jaxpar.train.loss_scale import unless_skipped
 from jaxpar.train.objectives import training_objective
 from jaxpar.train.optim import Optimizer
 from jaxpar.train.state import InFlight, TrainState
-from jaxpar.train.step import RowInputs, _updated, in_device_order, pipelined_loss, stage_fns
+from jaxpar.train.step import RowInputs, UpdateTail, in_device_order, pipelined_loss, stage_fns
 
 
 def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, layout: Layout,
@@ -45,7 +44,7 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
                                 trace_routing, keyed_rows=cfg.model.lora.dropout > 0,
                                 moe_per_unit=cfg.model.moe_blocks_per_unit)
     prepare = training_objective(cfg).preparation(graphdef, layout, pipeline, precision)
-    checks_finite = t.on_nonfinite == "skip"
+    update = UpdateTail(optimizer, cfg, layout, pipeline, precision, experts, trace_gradients)
 
     def grad_fn(hooks, stale, params, batches, carry, scale, live, has_current):
         micro = [layout.split_microbatches(b, M) for b in batches]
@@ -73,16 +72,8 @@ def make_two_bw_step(graphdef: nnx.GraphDef, optimizer: Optimizer, cfg: Config, 
         current = unless_skipped(flight.live, state.params, state.stale_params)
         (stats, grads), carry = window_gradients(layout, grad_fn, state.stale_params, current, batches,
                                                  flight.carry, scale, flight.live, has_current)
-        grads, held = experts.hold_bias(jax.tree.map(lambda g: g / scale, grads))
-        finite = all_finite(grads) if checks_finite else None
-        applies = flight.live if finite is None else flight.live & finite
-        params, opt_state = _updated(optimizer, state, grads, applies, layout, t.offloads_optimizer)
-        params = params if held is None else unless_skipped(applies, experts.move_bias(params, held), params)
-        loss_scale = state.loss_scale.after_step(finite, precision)
-        metrics = {**stats, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step - 1),
-                   "loss_scale": scale, "skipped_steps": loss_scale.skipped_steps, **experts.step_metrics(stats),
-                   **pipeline.step_metrics(), "completed": flight.live,
-                   **({"gradients": grads} if trace_gradients else {})}
+        params, opt_state, loss_scale, metrics = update(state, stats, grads, scale, state.step - 1, flight.live)
+        metrics = {**metrics, "completed": flight.live}
         in_flight = InFlight(carry, own, noise_B, has_current)
         stale = unless_skipped(flight.live, state.params, state.stale_params)
         return TrainState(state.step + has_current.astype(jnp.int32), params, opt_state, loss_scale, stale,

@@ -221,7 +221,7 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
     # to about 0 where the ratio is 1: its error is measured against that order, not against the near-0 sum
     loss_floor = 1.0 if objective_of(cfg).samples else 1e-30
     # 2BW's step completes the previous one (its metrics and update) and a drain the last: the reference trails
-    waiting, lag = [], int(layout.lags)
+    waiting, lag = [], layout.pacing.behind
     replays = (None,) if routing is not None and not lag else ()  # a traced step's decisions to replay: none
     for index in range(cfg.train.steps + lag):
         if index < cfg.train.steps:
@@ -229,7 +229,7 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
             state, metrics = layout.step(state, batch, *replays)
             waiting.append(ref_batch)
         else:
-            state, metrics = layout.drain(state)
+            state, metrics = layout.pacing.finish(state)
         if index < lag:
             continue
         # replicated on every device by the step already: read as they are (each process holds them whole)
