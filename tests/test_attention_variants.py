@@ -242,7 +242,7 @@ def test_context_attention_matches_the_reference(case):
     mode, balance, G, per_row, window, softcap, scale, use_sinks, V = CONTEXT_CASES[case]
     C, B, L = 4, 2, 64
     mesh = jax.make_mesh((C,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:C])
-    layout = types.SimpleNamespace(mesh=mesh, context_attention=mode, context_balance=balance)
+    layout = types.SimpleNamespace(mesh=mesh, context_attention=mode, balanced_context=balance)
     q, k, v, sinks, weight = inputs(B, L, 4, G, 8, V, spread=2.0 if softcap else 1.0)
     ids = documents(B, L, per_row)
     order, split = context.device_order(L, C, balance), NamedSharding(mesh, PartitionSpec(None, "context"))

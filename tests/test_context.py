@@ -47,7 +47,7 @@ def test_context_attention_matches_attention_on_whole_sequences(kernel):
     mode, balance, kv_heads, documents = KERNELS[kernel]
     C, B, L, H, K = 4, 2, 64, 4, 8
     mesh = jax.make_mesh((C,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:C])
-    layout = types.SimpleNamespace(mesh=mesh, context_attention=mode, context_balance=balance)
+    layout = types.SimpleNamespace(mesh=mesh, context_attention=mode, balanced_context=balance)
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(keys[0], (B, L, H, K))
     k, v = (jax.random.normal(key, (B, L, kv_heads, K)) for key in keys[1:3])

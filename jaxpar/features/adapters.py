@@ -39,9 +39,6 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
         yield f"model.lora.dropout must be at least 0 and below 1, got {lora.dropout}."
     if lora.dropout and cfg.model.moe.experts:
         yield "model.lora.dropout on a mixture of experts is not built yet (its experts' adapters are merged)."
-    if lora.dropout and sizes["context"] > 1 and cfg.parallel.context_balance:
-        yield ("model.lora.dropout does not run with balanced context parallelism yet (its masks follow the "
-               "positions, which balance reorders); set parallel.context_balance=false.")
     if lora.base_dtype in ("int8", "nf4") and cfg.model.d_model % 64:
         yield (f"model.lora.base_dtype={lora.base_dtype} quantizes blocks of 64 along d_model, so model.d_model "
                f"must be a multiple of 64, not {cfg.model.d_model}.")

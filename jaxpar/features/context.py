@@ -26,6 +26,9 @@ def checks(cfg: Config, sizes: dict[str, int]) -> Checks:
     if context > 1 and m.moe.experts and p.context_balance:
         yield ("MoE routing groups take consecutive tokens, which balanced context parallelism reorders; "
                "set parallel.context_balance=false with model.moe.experts.")
+    if context > 1 and m.lora.dropout and p.context_balance:
+        yield ("model.lora.dropout does not run with balanced context parallelism yet (its masks follow the "
+               "positions, which balance reorders); set parallel.context_balance=false.")
     if context > 1 and m.seq_len % chunks:
         yield (f"mesh.context={context} cuts model.seq_len={m.seq_len} into {chunks} chunks"
                f"{' (balanced: 2 x context)' if p.context_balance else ''}, which do not divide it.")

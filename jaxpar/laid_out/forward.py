@@ -91,7 +91,7 @@ def in_device_order(batch: PackedRows, layout: Layout) -> PackedRows:
     """Under balanced context parallelism, the rows with their inputs' positions, targets and
     documents in the order the context devices hold them (jaxpar.parallel.context.device_order):
     permuted once, here, and the mean loss is the same. Else the batch as it is."""
-    if layout.context == 1 or not layout.context_balance:
+    if layout.context == 1 or not layout.balanced_context:
         return batch
     rows = batch.with_documents()
     return rows.in_order(device_order(rows.tokens_BT.shape[1] - 1, layout.context, True))

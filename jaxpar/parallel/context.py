@@ -240,7 +240,7 @@ def attention(layout, q_BLHK, k_BLGK, v_BLGV, ids_BL, blocks: tuple[int, int], o
     C = mesh.shape[CONTEXT]
     _, L, H, _ = q_BLHK.shape
     G, local = k_BLGK.shape[2], L // C
-    schedule = _Schedule(C, layout.context_balance, local, blocks, options or PLAIN)
+    schedule = _Schedule(C, layout.balanced_context, local, blocks, options or PLAIN)
     ring = layout.context_attention == "ring"
     seq, lse_spec = PartitionSpec(None, CONTEXT), PartitionSpec(None, None, None, CONTEXT)
     mapped = functools.partial(jax.shard_map, mesh=mesh, axis_names={CONTEXT}, check_vma=False)

@@ -140,7 +140,9 @@ class Layout:
         return self.parallel.context_attention
 
     @property
-    def context_balance(self) -> bool:
+    def balanced_context(self) -> bool:
+        """Whether each context device holds two chunks of the sequence, i and 2C - 1 - i of 2C, so that
+        causal attention's work is even (parallel.context_balance; jaxpar.parallel.context)."""
         return self.parallel.context_balance
 
     @property

@@ -104,7 +104,7 @@ def measure_step(trainer) -> dict:
         "collective_ops": [
             {"op": c.op, "mesh_axes": list(c.mesh_axes), "bytes": c.bytes, "wire_bytes": c.wire_bytes,
              "count": c.count, "shapes": list(c.shapes)} for c in found],
-        **_context_balance(trainer),
+        **_context_split(trainer),
         **(kernels(module) if platform == "gpu" else {}),  # how XLA:GPU compiled the matmuls: gemms, custom_calls
     }
 
@@ -126,7 +126,7 @@ def gpipe_beside_naive(trainer, trainer_for) -> dict:
     return {"gpipe_beside": {"microbatches": M, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes)}}
 
 
-def _context_balance(trainer) -> dict:
+def _context_split(trainer) -> dict:
     """With mesh.context > 1: the block pairs of attention each context rank computes per sequence, as
     the schedule runs them (jaxpar.parallel.context), and their max / mean: a windowed layer's when every
     layer is windowed, else a global layer's (the most any layer computes)."""
@@ -134,8 +134,8 @@ def _context_balance(trainer) -> dict:
     if layout.context == 1:
         return {}
     window = model.window if all(model.layer_is_local(j) for j in range(model.unit_blocks)) else 0
-    blocks = blocks_per_rank(model.seq_len, layout.context, layout.context_balance, model.flash_blocks(), window)
-    return {"context": {"attention": layout.context_attention, "balanced": layout.context_balance,
+    blocks = blocks_per_rank(model.seq_len, layout.context, layout.balanced_context, model.flash_blocks(), window)
+    return {"context": {"attention": layout.context_attention, "balanced": layout.balanced_context,
                         "blocks_per_rank": blocks, "max_over_mean": max(blocks) / (sum(blocks) / len(blocks))}}
 
 
