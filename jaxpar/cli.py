@@ -191,7 +191,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from jaxpar.data.tokenize_command import run_tokenize
+    from jaxpar.tokenize.command import run_tokenize
 
     return run_tokenize(args)
 

@@ -214,8 +214,8 @@ DROPLESS_LAYOUT = (*EXPERT_LAYOUT, "model.moe.router=dropless")
 def _preference_data(folder: Path) -> tuple[str, ...]:
     """DPO's pairs (prompt + chosen, prompt + rejected) tokenized into `folder` once; the overrides that train on
     them (tests/test_preference_step.py's settings)."""
-    from jaxpar.data.document_readers import DocumentSpec
-    from jaxpar.data.tokenize import tokenize
+    from jaxpar.tokenize.document_readers import DocumentSpec
+    from jaxpar.tokenize.folder import tokenize
 
     tokens = folder / "pairs"
     if not (tokens / "meta.json").exists():
@@ -233,7 +233,7 @@ def _preference_data(folder: Path) -> tuple[str, ...]:
 def _short_documents(folder: Path) -> tuple[str, ...]:
     """Documents of a few words each (a .txt file per document), tokenized into `folder` once and packed
     several to a row: the rows hold document boundaries for segment masks to get wrong."""
-    from jaxpar.data.tokenize import tokenize
+    from jaxpar.tokenize.folder import tokenize
 
     tokens = folder / "short"
     if not (tokens / "meta.json").exists():

@@ -14,13 +14,13 @@ from helpers import SMALL_MODEL, tokenizer_with_template
 
 from jaxpar.config.precision import POLICIES
 from jaxpar.config.presets import load_config
-from jaxpar.data.document_readers import DocumentSpec
 from jaxpar.data.documents import Documents
 from jaxpar.data.packing import ConcatSampler, PackSampler
 from jaxpar.laid_out.forward import token_loss
 from jaxpar.model import Transformer
 from jaxpar.model.flash import flash_attention
 from jaxpar.model.segments import Segments
+from jaxpar.tokenize.document_readers import DocumentSpec
 from jaxpar.train.verify import verify
 
 SEQ = 32
@@ -141,7 +141,7 @@ def token_folder(tmp_path_factory):
     import json
 
     from jaxpar.data.corpus import builtin_topics
-    from jaxpar.data.tokenize import tokenize
+    from jaxpar.tokenize.folder import tokenize
 
     root = tmp_path_factory.mktemp("packed")
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in builtin_topics()[:40]))
@@ -175,7 +175,7 @@ def sft_pairs(path, count: int = 16) -> None:
 
 @pytest.fixture(scope="module")
 def sft_folder(tmp_path_factory):
-    from jaxpar.data.tokenize import tokenize
+    from jaxpar.tokenize.folder import tokenize
 
     root = tmp_path_factory.mktemp("sft")
     sft_pairs(root / "pairs.jsonl")
@@ -273,7 +273,7 @@ def mixture_folders(tmp_path_factory):
     import json
 
     from jaxpar.data.corpus import builtin_topics
-    from jaxpar.data.tokenize import tokenize
+    from jaxpar.tokenize.folder import tokenize
 
     root, topics = tmp_path_factory.mktemp("mixture"), builtin_topics()
     for name, part in (("web", topics[:45]), ("code", topics[45:])):
@@ -359,7 +359,7 @@ def test_chats_put_the_assistant_messages_alone_in_the_loss(template, sft_folder
     import json
 
     from jaxpar.data.token_folder import TextCodec
-    from jaxpar.data.tokenize import tokenize
+    from jaxpar.tokenize.folder import tokenize
 
     tokenizer = tokenizer_with_template(sft_folder / "tokenizer.json", tmp_path / "tokenizer", template)
     chat = [{"role": "user", "content": "key abc ->"}, {"role": "assistant", "content": " xyz."},

@@ -14,14 +14,14 @@ from test_pack_plan import reference_plan
 from jaxpar.cli import main
 from jaxpar.config.objectives import OBJECTIVES
 from jaxpar.config.presets import load_config
-from jaxpar.data.document_readers import DocumentSpec
 from jaxpar.data.documents import Documents, load_documents, split_documents
 from jaxpar.data.pack_plan import pack_plan
 from jaxpar.data.packing import PackSampler, packed_samplers
 from jaxpar.data.preference import check_preference_source, is_preference_data
 from jaxpar.data.token_folder import TextCodec
-from jaxpar.data.tokenize import tokenize
 from jaxpar.errors import DataError
+from jaxpar.tokenize.document_readers import DocumentSpec
+from jaxpar.tokenize.folder import tokenize
 
 pytestmark = pytest.mark.xdist_group("test_preference_data")
 

@@ -20,8 +20,8 @@ from helpers import resumed_run_matches
 
 from jaxpar.cli import main
 from jaxpar.data import builtin_text
-from jaxpar.data.document_readers import DocumentSpec
-from jaxpar.data.tokenize import tokenize
+from jaxpar.tokenize.document_readers import DocumentSpec
+from jaxpar.tokenize.folder import tokenize
 
 TOKENIZER = Path(__file__).parent / "fixtures" / "hf" / "qwen2"
 UNIT = 1 << 16  # the smallest unit: a few hundred KB of records make several
@@ -131,7 +131,7 @@ def test_a_long_text_file_ends_its_document_however_it_is_cut(tmp_path, monkeypa
     line of the first file crosses a cut): each ends with the end-of-document id, and decodes to its text."""
     from tokenizers import Tokenizer
 
-    import jaxpar.data.work_units as work_units
+    import jaxpar.tokenize.work_units as work_units
 
     monkeypatch.setattr(work_units, "CHUNK_BYTES", 64)
     texts = ["short line\n" * 5 + "a last line much longer than the sixty-four bytes of a piece, with no end",
@@ -150,7 +150,7 @@ def test_a_long_text_file_ends_its_document_however_it_is_cut(tmp_path, monkeypa
 def test_a_rerun_with_another_unit_size_starts_again(corpus, tmp_path, monkeypatch, capsys):
     """Interrupted after two units, then run again with units of another size: the finished units name other
     bytes now, so the rerun starts again, and its folder is a fresh run's."""
-    import jaxpar.data.tokenize as tokenize_module
+    import jaxpar.tokenize.folder as tokenize_module
 
     _, _, source, _ = corpus
     encode_units = tokenize_module.encode_units

@@ -11,9 +11,9 @@ import pytest
 from helpers import SMALL_MODEL
 
 from jaxpar.config.presets import load_config
-from jaxpar.data.document_readers import DocumentSpec
-from jaxpar.data.tokenize import tokenize
 from jaxpar.errors import ConfigError
+from jaxpar.tokenize.document_readers import DocumentSpec
+from jaxpar.tokenize.folder import tokenize
 from jaxpar.train.run_session import prepare
 from jaxpar.train.verify import verify
 

@@ -26,7 +26,7 @@ COMPANION_FILES = (TOKENIZER_CONFIG, "special_tokens_map.json")
 EOD = "<|endoftext|>"  # the end-of-document token a tokenizer jaxpar trains reserves
 EOS_NAMES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")  # an applied tokenizer's own, if any
 FORMAT = "jaxpar-tokens-1"
-SHARD_FORMAT = "jaxpar-token-shard-1"  # one --shard task's part of a folder (jaxpar.data.token_assembly)
+SHARD_FORMAT = "jaxpar-token-shard-1"  # one --shard task's part of a folder (jaxpar.tokenize.assembly)
 DTYPES = ("uint16", "uint32")
 
 

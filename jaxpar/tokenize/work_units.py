@@ -3,7 +3,7 @@ same order whatever the number of workers or --shard tasks, so every way of runn
 
 A plain .jsonl or .txt file (a document per file) is cut into byte ranges of UNIT_BYTES; a line
 belongs to the range it starts in, so no line is cut. Every other input (compressed, Parquet, Arrow,
-paragraph-split .txt) is one unit. Each unit yields its documents (jaxpar.data.document_readers says
+paragraph-split .txt) is one unit. Each unit yields its documents (jaxpar.tokenize.document_readers says
 what one is) and the SHA-256 of its bytes.
 """
 
@@ -14,9 +14,9 @@ import hashlib
 import json
 from collections.abc import Iterator
 
-from jaxpar.data.document_readers import DocumentSpec, record
-from jaxpar.data.input_files import InputFile, record_batches, text_lines
 from jaxpar.errors import DataError
+from jaxpar.tokenize.document_readers import DocumentSpec, record
+from jaxpar.tokenize.input_files import InputFile, record_batches, text_lines
 
 # 8 MB (--unit-mb's default): about 2 s of one core's tokenizing, fine enough to share among workers and
 # to resume

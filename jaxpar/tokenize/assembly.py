@@ -19,8 +19,8 @@ import numpy as np
 
 from jaxpar.data.folders import is_free, new_folder
 from jaxpar.data.token_folder import COMPANION_FILES, FORMAT, META, SHARD_FORMAT, TOKENIZER
-from jaxpar.data.unit_encoding import UNITS, unit_ends, unit_record
 from jaxpar.errors import DataError
+from jaxpar.tokenize.unit_encoding import UNITS, unit_ends, unit_record
 
 DOCUMENTS = "documents.bin"
 

@@ -1,5 +1,5 @@
-"""The `jaxpar tokenize` command: its flags as a run of jaxpar.data.tokenize, or a --merge of --shard parts
-(jaxpar.data.token_assembly), and what it prints."""
+"""The `jaxpar tokenize` command: its flags as a run of jaxpar.tokenize.folder, or a --merge of --shard parts
+(jaxpar.tokenize.assembly), and what it prints."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import math
 
 from jaxpar.config import ConfigError
-from jaxpar.data.document_readers import DocumentSpec
-from jaxpar.data.token_assembly import merge
-from jaxpar.data.tokenize import MIN_UNIT_BYTES, parse_shard, tokenize
+from jaxpar.tokenize.assembly import merge
+from jaxpar.tokenize.document_readers import DocumentSpec
+from jaxpar.tokenize.folder import MIN_UNIT_BYTES, parse_shard, tokenize
 
 SUMMARY_KEYS = ("vocab_size", "dtype", "tokens", "inputs_sha256")  # the JSON line that ends the output
 

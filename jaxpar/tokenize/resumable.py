@@ -27,9 +27,9 @@ from tqdm import tqdm
 
 from jaxpar.data.folders import write_atomically
 from jaxpar.data.token_folder import COMPANION_FILES, META, TOKENIZER
-from jaxpar.data.unit_encoding import UNITS, UnitEncoder, unit_record
-from jaxpar.data.work_units import WorkUnit
 from jaxpar.errors import DataError
+from jaxpar.tokenize.unit_encoding import UNITS, UnitEncoder, unit_record
+from jaxpar.tokenize.work_units import WorkUnit
 
 JOB = "job.json"
 

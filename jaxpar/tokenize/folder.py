@@ -2,7 +2,7 @@
 library, offline) or apply an existing one (a tokenizer.json, or a folder holding one: a Hugging
 Face checkpoint or another tokenized folder), and write a tokenized folder (jaxpar.data.token_folder).
 
-Documents keep their boundaries (jaxpar.data.document_readers says what a document is for each
+Documents keep their boundaries (jaxpar.tokenize.document_readers says what a document is for each
 input): each ends with the end-of-document token (a trained tokenizer reserves `EOD`; an applied one
 gives its own end-of-sequence token, when it has one), and documents.bin lists where each ends, for
 `data.packing`. Fine-tuning pairs (--sft) and chats (--chat) also write a loss mask per token: 0 on
@@ -11,9 +11,9 @@ Preference pairs (--preference, with --chat for conversations) write each record
 documents, prompt + chosen response then prompt + rejected response (of a conversation, only its
 last message, the assistant's response, is counted), and meta.json says `"preference": true`.
 
-The work is cut into units (jaxpar.data.work_units) that `workers` processes share and `shard` = (i, n)
+The work is cut into units (jaxpar.tokenize.work_units) that `workers` processes share and `shard` = (i, n)
 tasks split (units i, i + n, ...), each writing a part that `jaxpar tokenize --merge` joins; every way
-gives the same bytes. The folder is filled under a hidden name beside it (jaxpar.data.tokenize_run)
+gives the same bytes. The folder is filled under a hidden name beside it (jaxpar.tokenize.resumable)
 and renamed when complete, so an interrupted run leaves nothing that training would accept, and a
 rerun continues from its finished units. Byte-level BPE is lossless: decoding gives the text back.
 """
@@ -25,15 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data.document_readers import DocumentSpec, check_inputs
 from jaxpar.data.folders import is_free
-from jaxpar.data.input_files import InputFile, expand_inputs
-from jaxpar.data.token_assembly import finish, read_units, shard_meta
 from jaxpar.data.token_folder import EOD, end_of_document, token_dtype, tokenizer_json, tokenizer_settings
-from jaxpar.data.tokenize_run import PartialFolder, encode_units
-from jaxpar.data.unit_encoding import UnitEncoder
-from jaxpar.data.work_units import UNIT_BYTES, WorkUnit, plan_units, unit_documents
 from jaxpar.errors import DataError
+from jaxpar.tokenize.assembly import finish, read_units, shard_meta
+from jaxpar.tokenize.document_readers import DocumentSpec, check_inputs
+from jaxpar.tokenize.input_files import InputFile, expand_inputs
+from jaxpar.tokenize.resumable import PartialFolder, encode_units
+from jaxpar.tokenize.unit_encoding import UnitEncoder
+from jaxpar.tokenize.work_units import UNIT_BYTES, WorkUnit, plan_units, unit_documents
 
 SHARD_TOKENS = 1 << 24  # tokens per shard file at most (32 MiB of uint16)
 MIN_VOCAB = 258  # the 256 byte tokens, the end-of-document token and at least one merge

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data.chat import ChatFormat
-from jaxpar.data.document_readers import DocumentSpec
 from jaxpar.data.folders import write_atomically, write_durably
-from jaxpar.data.work_units import WorkUnit, unit_digest, unit_documents
+from jaxpar.tokenize.chat import ChatFormat
+from jaxpar.tokenize.document_readers import DocumentSpec
+from jaxpar.tokenize.work_units import WorkUnit, unit_digest, unit_documents
 
 BATCH_BYTES = 1 << 20  # text encoded per call
 BATCH_DOCUMENTS = 4096

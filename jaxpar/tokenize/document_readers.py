@@ -9,7 +9,7 @@ of messages, each a {"role", "content"} mapping. Preference pairs (`preference`)
 two documents, first the chosen then the rejected one: (prompt, chosen) and (prompt, rejected) pairs,
 or with `chat` two message lists that differ only in their last message, the assistant's response.
 
-jaxpar.data.work_units reads the files in pieces and yields each document as (content, ends):
+jaxpar.tokenize.work_units reads the files in pieces and yields each document as (content, ends):
 content a str, a (prompt, response) pair of strs, or a list of messages; ends whether the document
 ends with it (a long .txt file comes in pieces cut at line ends). Every malformed record is a
 DataError naming the file and the line or row.
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.data.chat import ASSISTANT
-from jaxpar.data.input_files import RECORD_KINDS, InputFile, record_columns
 from jaxpar.errors import DataError
+from jaxpar.tokenize.chat import ASSISTANT
+from jaxpar.tokenize.input_files import RECORD_KINDS, InputFile, record_columns
 
 
 @dataclasses.dataclass(frozen=True)
