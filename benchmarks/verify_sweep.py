@@ -37,7 +37,7 @@ def main() -> int:
 
     from jaxpar.config.presets import load_config
     from jaxpar.train.run_session import prepare
-    from jaxpar.train.verify import verify
+    from jaxpar.verify.run import verify
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")

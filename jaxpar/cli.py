@@ -75,7 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from jaxpar.train.verify import DEFAULT_STEPS
+    from jaxpar.verify.run import DEFAULT_STEPS
 
     _, overrides = _split_args(args.settings)
     steps_given = any(o.split("=", 1)[0].strip() == "train.steps" for o in overrides)
@@ -84,7 +84,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     session = prepare(cfg)
     from jaxpar.runtime import distributed
-    from jaxpar.train.verify import verify
+    from jaxpar.verify.run import verify
 
     primary = not distributed.is_secondary()  # process 0 reports for a multi-process run
     result = verify(session, log=lambda line: print(line, file=sys.stderr) if primary else None)

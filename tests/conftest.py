@@ -15,7 +15,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ["JAX_PLATFORMS"] = "cpu"
 # XLA's persistent compilation cache, fresh for each run of the suite (and its subprocesses): many tests
 # compile the same program, and compiling is most of their time. Results are the same; only the second
-# compile is skipped. verify compiles afresh (jaxpar.train.verify._compiled_afresh) and keeps its references.
+# compile is skipped. verify compiles afresh (jaxpar.verify.run._compiled_afresh) and keeps its references.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # made once, by the first process (workers inherit it)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
 # jaxpar's own cache (the machine's matmul rate, cpu profiles, compiled plans) fresh for the run too, beside

@@ -124,7 +124,7 @@ def run(fault: Fault, precision: str, run_dir) -> dict:
     """verify's result for the fault's layout in `precision`, with the fault injected on the layout side."""
     from jaxpar.config.presets import load_config
     from jaxpar.train.run_session import prepare
-    from jaxpar.train.verify import verify
+    from jaxpar.verify.run import verify
 
     data = () if fault.data is None else fault.data(Path(run_dir) / "data")
     session = prepare(load_config(None, [f"run.dir={run_dir}", *overrides(fault, precision), *data]))

@@ -15,7 +15,7 @@ from jaxpar.cli import main
 from jaxpar.model.adapters import Frozen, decode
 from jaxpar.plan.memory import measure_step, shard_bytes
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 ADAPTERS = ("model.lora.rank=4", "model.mlp=swiglu", "train.steps=3", "model.n_layers=4")
 MOE = ("model.moe.experts=4", "model.moe.mlp=swiglu", "model.lora.targets=q,k,v,o,gate,up,down,experts")

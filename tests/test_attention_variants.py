@@ -24,7 +24,7 @@ from jaxpar.model.scores import ScoreOptions
 from jaxpar.model.segments import Segments
 from jaxpar.parallel import context
 from jaxpar.plan.hlo import matmul_flops, parse
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 
 def reference(q, k, v, window=0, softcap=0.0, scale=0.0, sinks=None, ids=None):

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import jaxpar.plan.step_plan  # noqa: F401  (imported before the Trainer is patched, see TRAINER_NAMES)
 import jaxpar.train.loop  # noqa: F401
-import jaxpar.train.verify  # noqa: F401
+import jaxpar.verify.run  # noqa: F401
 from jaxpar.cli import main
 from jaxpar.config import Config, _leaf_types, all_keys
 
@@ -81,7 +81,7 @@ def cwd(tmp_path_factory) -> Path:
 
 # Where train, verify and plan look the Trainer up (imported here first, so that the patch
 # never becomes a module's own binding).
-TRAINER_NAMES = ("jaxpar.train.trainer.Trainer", "jaxpar.train.loop.Trainer", "jaxpar.train.verify.Trainer",
+TRAINER_NAMES = ("jaxpar.train.trainer.Trainer", "jaxpar.train.loop.Trainer", "jaxpar.verify.run.Trainer",
                  "jaxpar.plan.step_plan.Trainer")
 
 

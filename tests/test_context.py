@@ -17,7 +17,7 @@ from jaxpar.config.precision import POLICIES
 from jaxpar.parallel import context
 from jaxpar.plan import measure_step
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 TINY = ("model.d_model=64", "model.n_layers=2", "model.d_ff=128", "model.seq_len=64", "train.batch_size=4")
 

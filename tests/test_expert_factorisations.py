@@ -23,7 +23,7 @@ from jaxpar.config import ConfigError
 from jaxpar.config.presets import load_config
 from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 DEVICES = 8
 AXES = ("data", "context", "tensor", "expert")

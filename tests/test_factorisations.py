@@ -21,7 +21,7 @@ from jaxpar.config.mesh import resolve_mesh
 from jaxpar.config.presets import load_config
 from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 DEVICES = 8
 # Heads, FFN and vocabulary divide by 8; 16 sequences divide by data x expert x microbatches

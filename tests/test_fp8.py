@@ -17,9 +17,9 @@ from jaxpar.features import layout_name, problem
 from jaxpar.model.fp8 import E4M3, E5M2, fp8_einsum, fp8_ragged_dot, quantize
 from jaxpar.sampling.batched import BatchedGenerator, Shape
 from jaxpar.sampling.choice import Sampling
-from jaxpar.train import verify as verify_module
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import reference_config, verify
+from jaxpar.verify import run as verify_module
+from jaxpar.verify.run import reference_config, verify
 
 NP_FP8 = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
 

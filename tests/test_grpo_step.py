@@ -21,7 +21,7 @@ from jaxpar.rl.grpo import group_advantages
 from jaxpar.rl.rollout import training_rows
 from jaxpar.train.run_session import prepare
 from jaxpar.train.step import objective
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 CLIP, KL_BETA = 0.2, 0.1
 

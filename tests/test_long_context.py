@@ -13,7 +13,7 @@ from jaxpar.config.presets import load_config
 from jaxpar.parallel.rules import RULES, logical_to_spec
 from jaxpar.plan import collectives, measure_step
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 # Small enough to compile fast, valid on every layout below: 4 heads of size 8 (tensor 2 or 4
 # divides them), d_ff and vocab divisible by 4, 32 positions (divisible by tensor, several flash blocks).

@@ -23,7 +23,7 @@ from jaxpar.sampling.batched import BatchedGenerator, Shape
 from jaxpar.sampling.choice import Sampling
 from jaxpar.sampling.single import generate_ids
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 R, Q, E, N, V = 16, 12, 4, 8, 6  # kv_rank, q_rank, rope_dim, nope_dim, v_dim: v narrower than q/k
 MLA = (f"model.mla.kv_rank={R}", f"model.mla.q_rank={Q}", f"model.mla.rope_dim={E}", f"model.mla.nope_dim={N}",

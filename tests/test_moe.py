@@ -10,7 +10,7 @@ from jaxpar.config.presets import load_config
 from jaxpar.plan import measure_step
 from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 MOE = ("model.moe.experts=8", "model.moe.every=2")
 SMALL = ("model.n_layers=2", *SMALL_MODEL)  # one MoE layer: enough for equality checks, quicker to compile

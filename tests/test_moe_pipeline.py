@@ -4,7 +4,7 @@ the auxiliary losses must reach the gradients."""
 
 import pytest
 
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 # Every layer a mixture (every=1), one or two per stage, four microbatches; each router on another
 # mesh of expert x stage (with data, with tensor, and over four stages), so that these runs are also

@@ -11,7 +11,7 @@ from helpers import SMALL_MODEL
 from jaxpar.config import Config
 from jaxpar.model.mtp import mtp_loss
 from jaxpar.model.transformer import Transformer
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 B, L, V = 2, 12, 64
 

@@ -7,8 +7,8 @@ import pytest
 from helpers import resumed_run_matches
 
 from jaxpar.config.precision import POLICIES
-from jaxpar.train import verify_local as verify_local_module
-from jaxpar.train.verify import verify
+from jaxpar.verify import local_sgd as verify_local_module
+from jaxpar.verify.run import verify
 
 TINY = ["configs/tiny_test.yaml", "train.steps=3", "mesh.tensor=1"]
 

@@ -21,7 +21,7 @@ from jaxpar.model import Transformer
 from jaxpar.model.flash import flash_attention
 from jaxpar.model.segments import Segments
 from jaxpar.tokenize.document_readers import DocumentSpec
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 SEQ = 32
 VOCAB = 256

@@ -7,8 +7,8 @@ import pytest
 from helpers import SMALL_MODEL
 
 from jaxpar.parallel.schedules import Action, build, stash_size, theoretical_idle_fraction
-from jaxpar.train import verify as verify_module
-from jaxpar.train.verify import verify
+from jaxpar.verify import run as verify_module
+from jaxpar.verify.run import verify
 
 TABLES = [(s, S, M, 1) for s in ("gpipe", "1f1b") for S in (2, 3, 4) for M in (S, 2 * S, 8)] + [
     ("interleaved", S, M, v) for S in (2, 4) for M in (S, 2 * S, 4 * S) for v in (2, 3)] + [

@@ -23,7 +23,7 @@ from jaxpar.laid_out.forward import target_losses
 from jaxpar.session import on_devices
 from jaxpar.train.preference import batch_objective, pair_log_probs, weighted_pairs
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import reference_config
+from jaxpar.verify.run import reference_config
 
 METRICS = ("rewards/chosen", "rewards/rejected", "margin", "accuracy")
 # DPO on adapters on every target (the gated MLP's gate too): its runs verify LoRA on these layouts as well

@@ -14,7 +14,7 @@ from jaxpar.config import ConfigError
 from jaxpar.config.presets import load_config
 from jaxpar.model import constrain
 from jaxpar.train.run_session import prepare
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "python-api.md"
 

@@ -18,7 +18,7 @@ from jaxpar.model import quantize as q
 from jaxpar.model.adapters import QUANTIZED, Frozen, decode, encode, read_as
 from jaxpar.model.transformer import Transformer
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 # d_model 256: four blocks of 64 along 'embed', so ZeRO-3 over data=4 splits that axis one block a device
 MODEL = ("model.d_model=256", "model.d_ff=256", "model.seq_len=32", "model.n_layers=2", "model.mlp=swiglu",

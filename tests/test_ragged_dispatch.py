@@ -19,7 +19,7 @@ from jaxpar.parallel.ragged import Exchange, emulated
 from jaxpar.plan import collectives, format_report, measure_step
 from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 N_DEVICES = 4
 

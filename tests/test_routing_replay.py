@@ -14,10 +14,10 @@ import jaxpar.model.routers as routers
 from jaxpar.config.precision import POLICIES
 from jaxpar.config.presets import load_config
 from jaxpar.session import on_devices
-from jaxpar.train.routing_check import RoutingCheck
 from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.verify import compare, reference_config
+from jaxpar.verify.routing import RoutingCheck
+from jaxpar.verify.run import compare, reference_config
 
 TIE = POLICIES["fp32"].tie_tolerance
 G, N, E, C = 2, 8, 4, 8

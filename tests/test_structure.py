@@ -219,7 +219,7 @@ def test_the_objective_check_sees_a_comparison():
 # The floors, bottom to top: a module imports (anywhere: at module level, inside functions, for type
 # checking) only modules of its own floor or below. docs/code-layout.md says what each holds.
 FLOORS = ("errors", "charts", "config", "features", "runtime", "model", "data", "tokenize", "parallel", "interop",
-          "session", "laid_out", "sampling", "evals", "rl", "train", "plan", "cli", "__main__", "jaxpar")
+          "session", "laid_out", "sampling", "evals", "rl", "train", "verify", "plan", "cli", "__main__", "jaxpar")
 
 
 def floor(module: str) -> str:

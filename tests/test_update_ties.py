@@ -1,4 +1,4 @@
-"""verify's Adam near-ties (jaxpar.train.update_ties): an element whose gradient is rounding is left out of
+"""verify's Adam near-ties (jaxpar.verify.ties): an element whose gradient is rounding is left out of
 its tensor's update error and judged apart: by the reach of the reference's updates, by the ties' share of the
 elements, and by the share that moved the other way; every other element still counts."""
 
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxpar.train.update_ties import FEWEST_JUDGED, MAX_REVERSED_SHARE, TIE_TOLERANCE, UpdateTies
+from jaxpar.verify.ties import FEWEST_JUDGED, MAX_REVERSED_SHARE, TIE_TOLERANCE, UpdateTies
 
 LR = 1e-3
 

@@ -4,7 +4,7 @@ import pytest
 from helpers import SMALL_MODEL
 
 from jaxpar.config.precision import POLICIES
-from jaxpar.train.verify import DEFAULT_STEPS, verify
+from jaxpar.verify.run import DEFAULT_STEPS, verify
 
 # Each mesh split alone is verified by tests/test_factorisations.py (or by the module it names);
 # here the switches on top of one. Switches that do not interact share a run: each one's code is
@@ -53,7 +53,7 @@ def test_half_precision_stays_within_its_tolerance_of_fp32(session_for, precisio
 def test_verify_detects_a_different_trajectory(tmp_path):
     """The comparison can fail: a reference with another learning rate must be reported. In a process of its own:
     XLA:CPU (jax 0.12.0.1) deadlocked this step when its init program came from the persistent compilation cache
-    (verify compiles all of its programs afresh now: jaxpar.train.verify._compiled_afresh), and an abort would take
+    (verify compiles all of its programs afresh now: jaxpar.verify.run._compiled_afresh), and an abort would take
     the test process with it."""
     import json
     import subprocess
@@ -66,7 +66,7 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from helpers import SMALL_MODEL
 from jaxpar.config.presets import load_config
 from jaxpar.train.run_session import prepare
-from jaxpar.train import verify as verify_module
+from jaxpar.verify import run as verify_module
 original = verify_module.reference_config
 verify_module.reference_config = lambda cfg: original(cfg).replace(**{{"train.lr": 1e-3}})
 session = prepare(load_config(None, [f"run.dir={tmp_path}", "train.steps=3", *SMALL_MODEL,
@@ -110,7 +110,7 @@ def test_two_layouts_of_one_model_verify_against_one_reference(session_for, monk
     """The single-device reference is built once for the two layouts of one model (run.* aside), and kept."""
     from collections import OrderedDict
 
-    import jaxpar.train.verify as verify_module
+    import jaxpar.verify.run as verify_module
 
     built, build = [], verify_module.Trainer
     monkeypatch.setattr(verify_module, "Trainer", lambda session, *a, **k: built.append(session.mesh.size) or
@@ -129,7 +129,7 @@ def test_verify_compiles_afresh_even_after_the_process_compiled_with_the_cache(t
     import jax
     from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
-    from jaxpar.train.verify import _compiled_afresh
+    from jaxpar.verify.run import _compiled_afresh
 
     before = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))

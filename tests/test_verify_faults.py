@@ -75,7 +75,7 @@ def test_frozen_qkv_fails_on_the_sweeps_fp8_draw(tmp_path):
 
     from jaxpar.config.presets import load_config
     from jaxpar.train.run_session import prepare
-    from jaxpar.train.verify import verify
+    from jaxpar.verify.run import verify
 
     overrides = settle(draw(0), data_folders(tmp_path))
     assert "train.precision=fp8" in overrides

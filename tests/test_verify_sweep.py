@@ -15,7 +15,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.tokenize.document_readers import DocumentSpec
 from jaxpar.tokenize.folder import tokenize
 from jaxpar.train.run_session import prepare
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 # The suite's draws: seeds whose layouts are four in fp32, one in bf16 and one in fp8, an MoE in three, LoRA in
 # three, DPO and ORPO (test_the_suites_draws_verify_enough_layouts_half_in_fp32 keeps them verifying as the

@@ -18,7 +18,7 @@ from jaxpar.parallel.schedule_timing import (
 from jaxpar.parallel.schedules import Action, build
 from jaxpar.parallel.split_backward import SplitBackward
 from jaxpar.parallel.stash_slots import Pool, assign, write_slots
-from jaxpar.train.verify import verify
+from jaxpar.verify.run import verify
 
 TABLES = [(schedule, S, M) for schedule in ("zb-h1", "zbv") for S in (2, 3, 4, 8)
           for M in sorted({S, 2 * S - 1, 2 * S, 16})]

@@ -34,7 +34,7 @@ FP32, BF16, FP16 = "float32", "bfloat16", "float16"
 FP32_TOLERANCES, HALF_TOLERANCES = (1e-5, 1e-4), (5e-3, 1e-2)  # verify's (loss, parameters) relative errors
 # verify's tolerances for each tensor's first-step gradient and for the gradient norm at every step (relative
 # to the reference's), and for each tensor's update over the run (relative to the reference's update, not to
-# the tensor: jaxpar.train.verify_checks). Measured on clean 5-step runs of the small model (d_model 64, XLA
+# the tensor: jaxpar.verify.checks). Measured on clean 5-step runs of the small model (d_model 64, XLA
 # level 0, an Intel Xeon with avx512_bf16, 2026-12-07) over 22 layouts: data, tensor, ZeRO 1-3, accumulation,
 # remat, Adafactor, Muon, LoRA, bf16 reductions, top-k, Switch, Expert Choice and dropless experts under expert
 # parallelism, GPipe, 1F1B, ZB-H1, interleaved, 2BW, context ring and all-gather, sequence, packed rows:
@@ -54,7 +54,7 @@ FP32_TOLERANCES, HALF_TOLERANCES = (1e-5, 1e-4), (5e-3, 1e-2)  # verify's (loss,
 #   share of a smaller difference). 0.3 and 0.4 still fail a tensor that does not move (1.0), one whose
 #   gradient is halved (0.5), or one that moves half as far (0.5).
 # A tensor whose gradient (update) is a smaller share of the whole step's than the floor is judged against the
-# floor instead of its own size (jaxpar.train.verify_checks): fp32 rounds every sum to about 1e-7 of it; bf16,
+# floor instead of its own size (jaxpar.verify.checks): fp32 rounds every sum to about 1e-7 of it; bf16,
 # fp16 and fp8 (and fp32 gradients reduced in bf16) to 2^-8 and more, so a LoRA A whose B is one step from zero,
 # its gradient 1e-4 of the step's, differed by 0.1 of itself in bf16 (4e-3 of bf16's step of the whole).
 FP32_FLOOR, REDUCED_FLOOR = 1e-6, 1e-3
@@ -78,7 +78,7 @@ HALF = {"tolerances": HALF_TOLERANCES, "grad_tolerance": HALF_GRAD, "later_grad_
         "norm_tolerance": HALF_NORM, "update_tolerance": HALF_UPDATE,
         "error_floor": REDUCED_FLOOR}  # verify's judgement of a run whose gradients are rounded as bf16's
 # verify's widest routing flip that is a tie: the relative gap between two router scores that the
-# policy's rounding can close (jaxpar.train.routing_check). fp32: a few ulps (2^-23 each) of a score whose
+# policy's rounding can close (jaxpar.verify.routing). fp32: a few ulps (2^-23 each) of a score whose
 # inputs two layouts sum in different orders (measured: up to 6e-7). Gradients reduced in bf16 move the
 # weights by about 1e-3, and the scores with them (measured: up to 6e-5 on top-k; with LoRA, whose adapters move
 # the scores too, 1.8e-3 on the sweep's draw 14 and 7.8e-3 on draw 13, a hair under 2^-7: 2^-6). bf16 or fp16
@@ -104,7 +104,7 @@ FP8_TOLERANCES = (5e-4, 1.5e-2)
 # above), so a layout whose GEMMs lost fp8, or quantize by other scales, differs from the reference by no more than a
 # tensor's tolerance allows. verify therefore gauges fp8's own rounding at every step: the reference's gradient with
 # its GEMMs in bf16 (`rounding_gauge`), at the reference's weights on the same batch, and judges the layout's distance
-# from the fp8 reference as a share of the gauge's (the whole gradient, jaxpar.train.verify_checks.rounding_share).
+# from the fp8 reference as a share of the gauge's (the whole gradient, jaxpar.verify.checks.rounding_share).
 # Measured on 3 steps of the small model (d_model 32, 2 layers; tests/fault_catalog.py) over 17 layouts (data x
 # tensor, ZeRO 2-3, sequence, context, accumulation, bf16 reductions, GPipe, 1F1B, interleaved, ZB-H1, 2BW, top-k,
 # capacity 1 and dropless experts): clean layouts 0.57-0.68 at the first step, where the weights are the same, and

@@ -12,7 +12,7 @@ def _label(value, cfg: Config, sizes: dict) -> str | None:
     return f"sync_every={value} outer={cfg.parallel.outer}" if value > 1 else None
 
 
-# verify runs R one-device replicas (jaxpar.train.verify_local)
+# verify runs R one-device replicas (jaxpar.verify.local_sgd)
 SWITCHES = (Switch("parallel.sync_every", _label),)
 
 

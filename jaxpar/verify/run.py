@@ -3,7 +3,7 @@
 Both start from the same weights (the layout's sharded init, copied to one device) and see
 the same batches. The reference is always one device, fp32 (fp8's: fp8), no gradient accumulation,
 dot attention; for a mixture-of-experts model it takes the layout's routing decisions and judges each one that
-its own router would have made otherwise (jaxpar.train.routing_check).
+its own router would have made otherwise (jaxpar.verify.routing).
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from jaxpar.interop.checkpoint_files import flat_by_path
 from jaxpar.rl.rollout import Scoring
 from jaxpar.session import Session, on_devices
 from jaxpar.train.feeds import RolloutFeed
-from jaxpar.train.routing_check import RoutingCheck
 from jaxpar.train.trainer import Trainer
-from jaxpar.train.update_ties import UpdateTies
-from jaxpar.train.verify_checks import Verdict, gradient_errors, norm_errors, rounding_share, update_errors, worst_first
-from jaxpar.train.verify_local import verify_local
+from jaxpar.verify.checks import Verdict, gradient_errors, norm_errors, rounding_share, update_errors, worst_first
+from jaxpar.verify.local_sgd import verify_local
+from jaxpar.verify.routing import RoutingCheck
+from jaxpar.verify.ties import UpdateTies
 
 # Five steps: four updates each followed by a compared loss, and a fifth whose update the weights show. The
 # first already learns (jaxpar.train.optim.lr_schedule), so every step is one verify can judge.
 DEFAULT_STEPS = 5
 # The objectives whose gradients are differences of similar terms (GRPO's, which samples: its advantages sum to
 # zero in each group): an element's gradient can be rounding on both sides, and Adam still moves it a whole step, so its
-# direction is a near-tie (jaxpar.train.update_ties). LoRA's adapters have them too: after one Adam step every
+# direction is a near-tie (jaxpar.verify.ties). LoRA's adapters have them too: after one Adam step every
 # element of B is +-lr, so A's gradient is a signed sum of equal terms (measured: A of the keys' adapter at
 # step 2 differed by 1.8e-4 of itself in fp32, its update by 2.2e-3). Other runs have none: every element counts.
 # LoRA's A matrices in reduced precisions: while B is Adam's sign pattern, A's gradient is a signed sum of equal
@@ -202,7 +202,7 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
     """verify's comparison from the layout's state `state` (the reference starts from a copy of it), both
     trainers built with trace_gradients (and trace_routing for jaxpar's mixture of experts): both
     sides train on the same batches, the reference replaying the layout's routing of an MoE model
-    (jaxpar.train.routing_check), and they are judged tensor by tensor (jaxpar.train.verify_checks): the
+    (jaxpar.verify.routing), and they are judged tensor by tensor (jaxpar.verify.checks): the
     loss, the gradient norm and each tensor's gradient at every step, each tensor's update after the last; with a
     `gauge` (the reference in the policy's rounding_gauge precision), the layout's share of the policy's rounding."""
     cfg, policy = session.cfg, session.precision
@@ -262,7 +262,7 @@ def _compare(session: Session, layout: Trainer, reference: Trainer, state, log=p
 def _judged_shares(objective: Objective, shares: list[float]) -> list[float]:
     """The rounding shares verify judges: every step's, but GRPO's first only. After it the gauge takes its gradient
     at the reference's weights, from which GRPO's layout has parted by its near-ties' whole Adam steps (taken either
-    way by rounding: jaxpar.train.update_ties), not by fp8's rounding: tests/fault_catalog.py's clean GRPO layout
+    way by rounding: jaxpar.verify.ties), not by fp8's rounding: tests/fault_catalog.py's clean GRPO layout
     measured 1.6-2.4 there, and 0.77 at the first step."""
     return shares[:1] if objective.samples else shares
 
@@ -282,8 +282,8 @@ def _flat(tree) -> dict[str, np.ndarray]:
 
 def _judge(policy, loss_tol: float, loss_errors: list[float], norms, grad_errors: dict, params: dict,
            ref_params: dict, initial: dict, ties: UpdateTies | None, shares: list[float]) -> Verdict:
-    """The checks of jaxpar.train.verify_checks at the policy's tolerances; a near-tie objective's Adam ties
-    (jaxpar.train.update_ties) are left out of the update check and judged by their count and direction; the
+    """The checks of jaxpar.verify.checks at the policy's tolerances; a near-tie objective's Adam ties
+    (jaxpar.verify.ties) are left out of the update check and judged by their count and direction; the
     rounding shares (a gauged policy's), the first step's apart (the weights still the same: no drift in it)."""
     param_tol = policy.tolerances[1]
     verdict = Verdict()
