@@ -187,11 +187,11 @@ def curves_setup(doc: str, *, steps: int, min_steps: int, layout: list[str]):
 def train_losses(cfg, devices: list, steps: int) -> tuple[list[float], float]:
     """(the training loss of each of `steps` steps of `cfg` from a fresh state, the median seconds
     of a step after the first, which compiles), on the batches jaxpar's loop would feed it
-    (`Session.train_data`). Each step is waited for before the next is timed."""
-    from jaxpar.session import on_devices
+    (`RunSession.train_data`). Each step is waited for before the next is timed."""
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.trainer import Trainer
 
-    session = on_devices(cfg, devices)
+    session = prepare(cfg, devices)
     trainer = Trainer(session)
     state, losses, seconds = trainer.init(), [], []
     for index in range(steps):

@@ -29,11 +29,11 @@ GUIDE_MUON_LR = 1e-2  # the learning rate docs/layouts.md recommends for Muon on
 def run(cfg, devices) -> dict:
     """One run of `cfg` from fresh weights on jaxpar's batches: each step's training loss and the final
     validation loss."""
-    from jaxpar.session import on_devices
+    from jaxpar.train.run_session import prepare
     from jaxpar.train.run_summary import validation_loss
     from jaxpar.train.trainer import Trainer
 
-    session = on_devices(cfg, devices)
+    session = prepare(cfg, devices)
     trainer = Trainer(session)
     state, losses = trainer.init(), []
     for index in range(cfg.train.steps):

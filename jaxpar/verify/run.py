@@ -25,6 +25,7 @@ from jaxpar.interop.checkpoint_files import flat_by_path
 from jaxpar.rl.rollout import Scoring
 from jaxpar.session import Session, on_devices
 from jaxpar.train.feeds import RolloutFeed
+from jaxpar.train.run_session import prepare
 from jaxpar.train.trainer import Trainer
 from jaxpar.verify.checks import Verdict, gradient_errors, norm_errors, rounding_share, update_errors, worst_first
 from jaxpar.verify.local_sgd import verify_local
@@ -100,7 +101,7 @@ def verify(session: Session, log=print, model=None, rules=None) -> dict:
     if logic is None:
         return _verified(session, log, model, rules)
     # validated before anything compiles, like the layout's own config
-    logic_session = on_devices(session.cfg.replace(**{"train.precision": logic}), session.devices)
+    logic_session = prepare(session.cfg.replace(**{"train.precision": logic}), session.devices)  # with its data
     checked = _verified(logic_session, lambda line: log(f"{logic}: {line}"), model, rules)
     result = _verified(session, log, model, rules)
     failures = [{**failure, "check": f"{logic} {failure['check']}"} for failure in checked["failures"]]
