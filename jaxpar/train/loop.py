@@ -275,7 +275,7 @@ def _train(session: Session, trainer: Trainer, checkpoints: Checkpoints, progres
              f"in {where}")
     else:
         state, start = trainer.init(), 0
-    logged = trainer.pacing.completed(state, start)  # a step in flight is logged by the next one
+    logged = trainer.pacing.completed(state, start)  # the steps whose metrics are logged (jaxpar.train.pacing)
     history = trim_metrics(metrics_path, logged, cfg) if primary else _kept_metrics(metrics_path, logged, cfg)
     sinks = MetricSinks.open(cfg, run_dir, start, primary)
     cleanup.callback(sinks.close)
