@@ -13,6 +13,7 @@ from jaxpar.config import Config, precision
 from jaxpar.config.from_run import resolve_run
 from jaxpar.config.hf_config import resolve as resolve_hf
 from jaxpar.config.precision import PrecisionPolicy
+from jaxpar.config.sources import parse_mixture
 from jaxpar.data.token_folder import TextCodec, tokenizer_folder
 from jaxpar.features import layout_name, with_derived
 from jaxpar.features.model import check_attention_platform
@@ -32,6 +33,12 @@ class Session:
     mesh_sizes: dict[str, int]
     process_split: dict[str, int]
     mesh: object  # jax.sharding.Mesh (jax is imported only after the devices are set up)
+
+    @functools.cached_property
+    def mixture(self) -> tuple[tuple[str, float], ...]:
+        """data.mixture's (folder, weight) pairs, the weights summing to 1; () without a mixture (parsed
+        from the config: no folder is read)."""
+        return parse_mixture(self.cfg.data.mixture)
 
     def mesh_name(self) -> str:
         """The mesh axes of size > 1, such as 'data=4 tensor=2' ('single device' when none)."""

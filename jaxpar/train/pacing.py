@@ -23,7 +23,11 @@ class InStep:
     """Each step completes itself."""
 
     behind = 0  # how many steps a step's metrics trail it
-    finishes = False  # whether the last step is completed by `finish`, after it
+
+    @property
+    def finishes(self) -> bool:
+        """Whether the last step is completed by `finish`, after it."""
+        return self.behind > 0
 
     def logged(self, step: int, first: bool, metrics) -> int:
         """The step whose metrics the call of step `step` returned (0: none); `first`: the first call after
@@ -49,7 +53,6 @@ class OneBehind(InStep):
     """A step completes the one before it; `drain(state) -> (state, metrics)` completes the last."""
 
     behind = 1
-    finishes = True
 
     def __init__(self, drain: Callable):
         self.drain = drain

@@ -10,7 +10,6 @@ import functools
 
 from jaxpar.config import Config
 from jaxpar.config.objectives import objective_of
-from jaxpar.config.sources import parse_mixture
 from jaxpar.data.corpus import load_tokens, split_tokens
 from jaxpar.data.loader import BatchSampler
 from jaxpar.data.mixture import mixture_samplers
@@ -26,7 +25,7 @@ from jaxpar.session import Session, on_devices
 
 @dataclasses.dataclass(frozen=True)
 class RunSession(Session):
-    """A Session with the run's inputs: train_data, val_data (None for GRPO), mixture and reward."""
+    """A Session with the run's inputs: train_data, val_data (None for GRPO) and reward."""
 
     @functools.cached_property
     def _samplers(self) -> tuple:
@@ -45,11 +44,6 @@ class RunSession(Session):
         train_tokens, val_tokens = split_tokens(load_tokens(d.source, m.vocab_size), d.val_fraction, m.seq_len)
         return (BatchSampler(train_tokens, m.seq_len, t.batch_size, t.seed),
                 BatchSampler(val_tokens, m.seq_len, t.batch_size, t.seed))
-
-    @functools.cached_property
-    def mixture(self) -> tuple[tuple[str, float], ...]:
-        """data.mixture's (folder, weight) pairs, the weights summing to 1; () without a mixture."""
-        return parse_mixture(self.cfg.data.mixture)
 
     @functools.cached_property
     def reward(self) -> Reward | None:

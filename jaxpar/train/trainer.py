@@ -20,7 +20,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 import jaxpar.train.local_sgd as local_sgd
-from jaxpar.config.sources import parse_mixture
 from jaxpar.laid_out.forward import make_eval_step
 from jaxpar.laid_out.model import LaidOutModel
 from jaxpar.model.adapters import trainable
@@ -180,7 +179,7 @@ class Trainer(LaidOutModel):
         """The shapes, dtypes and sharding of one step's batch: a token array, or packed rows (GRPO's
         with each completion's advantage and log-probabilities: jaxpar.rl.rollout)."""
         shape = (self.cfg.train.batch_size, self.cfg.model.seq_len + 1)
-        sources = len(parse_mixture(self.cfg.data.mixture))
+        sources = len(self.session.mixture)
         return training_objective(self.cfg).abstract_batch(shape, self.batch_sharding, sources)
 
     def compile_step(self, compiler_options: dict | None = None):
